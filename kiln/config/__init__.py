@@ -1,0 +1,30 @@
+from kiln.config.dump import to_toml
+from kiln.config.load import load_config
+from kiln.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    JobConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TrainConfig,
+)
+from kiln.config.validate import resolve_layout, validate
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "DistributedConfig",
+    "JobConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TrainConfig",
+    "load_config",
+    "resolve_layout",
+    "to_toml",
+    "validate",
+]

@@ -1,0 +1,155 @@
+"""TOML file + model preset + CLI overrides -> a typed JobConfig, collecting every problem at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from kiln.config.sections import JobConfig
+from kiln.errors import ConfigError
+
+CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
+MODEL_PRESET_DIR = CONFIG_ROOT / "model"
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+    """Read a TOML recipe, apply `--section.key=value` overrides and build the typed config.
+
+    Raises ConfigError naming every problem (syntax, unknown keys, wrong types) at once.
+    """
+    raw = read_toml(path) if path is not None else {}
+    problems: list[str] = []
+    for item in overrides:
+        apply_override(raw, item, problems)
+    resolve_model_preset(raw, problems)
+    cfg = build_dataclass(JobConfig, raw, "", problems)
+    if problems:
+        raise ConfigError(format_problems(problems, source=path))
+    return cfg
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"config file not found: {path} (pass the path to a TOML recipe, e.g. configs/train/debug.toml)"
+        )
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}. Fix the line it names.") from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`--train.max_steps=200` -> (["train", "max_steps"], 200); values are TOML literals, else strings."""
+    body = item[2:] if item.startswith("--") else item
+    if "=" not in body:
+        raise ConfigError(f"override {item!r} needs a value: write --section.key=value")
+    key, text = body.split("=", 1)
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"override {item!r}: the key must be section.key, e.g. --train.max_steps=200"
+        )
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return parts, value
+
+
+def apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None:
+    (section, key), value = parse_override(item)
+    table = raw.setdefault(section, {})
+    if not isinstance(table, dict):
+        problems.append(f"[{section}] is not a table, cannot override {section}.{key}")
+        return
+    table[key] = value
+
+
+def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
+    """Merge `[model] preset = NAME` under the explicit [model] keys (explicit keys win)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return
+    name = model["preset"]
+    path = Path(name) if str(name).endswith(".toml") else MODEL_PRESET_DIR / f"{name}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.toml"))
+        problems.append(
+            f"model.preset: unknown preset {name!r}{did_you_mean(str(name), known)}; known presets: {', '.join(known)}"
+        )
+        return
+    try:
+        preset = read_toml(path)
+    except ConfigError as e:
+        problems.append(str(e))
+        return
+    raw["model"] = {**preset, **model}
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def build_dataclass(cls: type, data: dict[str, Any], where: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            what = "section" if not where else "key"
+            full = f"{where}{key}"
+            problems.append(f"unknown {what} {full!r}{did_you_mean(key, names)}")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            kwargs[name] = convert(data[name], hints[name], f"{where}{name}", problems)
+    kwargs = {k: v for k, v in kwargs.items() if v is not _INVALID}
+    return cls(**kwargs)
+
+
+_INVALID = object()
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def convert(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            problems.append(f"[{where}] must be a table, got {value!r}")
+            return _INVALID
+        return build_dataclass(hint, value, f"{where}.", problems)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [h for h in typing.get_args(hint) if h is not type(None)]
+        return convert(value, options[0], where, problems)
+    if origin is list:
+        (item_hint,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected a list, got {value!r}")
+            return _INVALID
+        items = [convert(v, item_hint, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+        return _INVALID if any(i is _INVALID for i in items) else items
+    ok = (
+        (hint is bool and isinstance(value, bool))
+        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
+        or (hint is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (hint is str and isinstance(value, str))
+    )
+    if not ok:
+        problems.append(
+            f"{where}: expected {_TYPE_WORDS.get(hint, hint)}, got {value!r} ({type(value).__name__})"
+        )
+        return _INVALID
+    return float(value) if hint is float else value
+
+
+def format_problems(problems: list[str], source: str | Path | None = None) -> str:
+    head = f"invalid config{f' {source}' if source else ''} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):"
+    return "\n".join([head, *(f"  - {p}" for p in problems)])

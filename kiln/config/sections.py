@@ -1,0 +1,106 @@
+"""One dataclass per config section (DESIGN §3). Defaults are what a user gets by leaving a key out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    preset: str = ""
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 4096
+    ffn_hidden_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    max_steps: int = 100
+    seed: int = 0
+    device: str = "auto"
+    mixed_precision: str = "bf16"
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    grad_clip_norm: float = 1.0
+    loss: str = "cross_entropy"
+    z_loss_weight: float = 0.0
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    decay_ratio: float = 0.2
+
+
+@dataclass
+class DataConfig:
+    source: str = "demo"
+    path: str = "data/demo"
+    tokenizer: str = ""
+
+
+@dataclass
+class DistributedConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    interval: int = 0
+    keep_last_n: int = 0
+    save_final: bool = True
+    resume: str = "auto"
+    load_path: str = ""
+
+
+@dataclass
+class MetricsConfig:
+    run_dir: str = "runs/default"
+    log_interval: int = 10
+    jsonl: bool = True
+    plot: bool = True
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

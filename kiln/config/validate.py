@@ -1,0 +1,149 @@
+"""Cross-field validation against the world size; every problem is reported at once."""
+
+from __future__ import annotations
+
+import math
+
+from kiln.config.load import format_problems
+from kiln.config.sections import DistributedConfig, JobConfig
+from kiln.errors import ConfigError
+
+CHOICES = {
+    "train.mixed_precision": ("bf16", "fp32"),
+    "train.activation_checkpointing": ("none", "full", "selective"),
+    "train.loss": ("cross_entropy",),
+    "train.device": ("auto", "cpu", "cuda"),
+    "optimizer.name": ("adamw",),
+    "scheduler.name": ("cosine", "linear", "wsd", "constant", "rex", "none"),
+    "data.source": ("demo", "prepared"),
+    "checkpoint.resume": ("auto", "never"),
+}
+LAYOUT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
+
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """Raise ConfigError listing every problem with `cfg` for a job of `world_size` processes."""
+    problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
+    problems += _layout_problems(cfg, world_size)
+    if problems:
+        raise ConfigError(format_problems(problems))
+
+
+def resolve_layout(dist: DistributedConfig, world_size: int) -> dict[str, int]:
+    """Degrees of every mesh dim with `dp_shard = -1` filled in (validate first)."""
+    degrees = {d: getattr(dist, d) for d in LAYOUT_DIMS}
+    if degrees["dp_shard"] == -1:
+        others = math.prod(v for k, v in degrees.items() if k != "dp_shard")
+        degrees["dp_shard"] = world_size // others
+    return degrees
+
+
+def _choice_problems(cfg: JobConfig) -> list[str]:
+    problems = []
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            problems.append(f"{key} = {value!r} is not one of {', '.join(map(repr, allowed))}")
+    return problems
+
+
+def _model_problems(cfg: JobConfig) -> list[str]:
+    m, p = cfg.model, []
+    for name in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "ffn_hidden_dim",
+        "max_seq_len",
+    ):
+        if getattr(m, name) <= 0:
+            p.append(f"model.{name} must be positive, got {getattr(m, name)}")
+    if m.n_heads > 0 and m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads:
+        p.append(
+            f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads}): pick n_kv_heads among the divisors of n_heads"
+        )
+    if m.n_heads > 0 and m.dim % m.n_heads:
+        p.append(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
+    elif m.n_heads > 0 and m.head_dim % 2:
+        p.append(f"head dim dim/n_heads = {m.head_dim} must be even for rotary embeddings")
+    for name in ("norm_eps", "rope_theta", "init_std"):
+        if getattr(m, name) <= 0:
+            p.append(f"model.{name} must be positive, got {getattr(m, name)}")
+    return p
+
+
+def _train_problems(cfg: JobConfig) -> list[str]:
+    t, o, s, p = cfg.train, cfg.optimizer, cfg.scheduler, []
+    for name in ("seq_len", "batch_size", "grad_accum_steps", "max_steps"):
+        if getattr(t, name) <= 0:
+            p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+    if t.seq_len > cfg.model.max_seq_len:
+        p.append(
+            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}): lower seq_len or raise max_seq_len"
+        )
+    if t.grad_clip_norm < 0:
+        p.append(f"train.grad_clip_norm must be >= 0 (0 disables clipping), got {t.grad_clip_norm}")
+    if t.z_loss_weight < 0:
+        p.append(f"train.z_loss_weight must be >= 0, got {t.z_loss_weight}")
+    if o.lr <= 0:
+        p.append(f"optimizer.lr must be positive, got {o.lr}")
+    if o.weight_decay < 0:
+        p.append(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        p.append(f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
+    if o.eps <= 0:
+        p.append(f"optimizer.eps must be positive, got {o.eps}")
+    if s.warmup_steps < 0 or (t.max_steps > 0 and s.warmup_steps >= t.max_steps):
+        p.append(
+            f"scheduler.warmup_steps ({s.warmup_steps}) must be in [0, train.max_steps = {t.max_steps})"
+        )
+    if not 0 <= s.min_lr_ratio <= 1:
+        p.append(f"scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
+    if not 0 < s.decay_ratio <= 1:
+        p.append(f"scheduler.decay_ratio must be in (0, 1], got {s.decay_ratio}")
+    if not cfg.data.path:
+        p.append("data.path is empty: point it at a prepared dataset directory")
+    c = cfg.checkpoint
+    if c.interval < 0 or c.keep_last_n < 0:
+        p.append("checkpoint.interval and checkpoint.keep_last_n must be >= 0 (0 disables)")
+    if cfg.metrics.log_interval <= 0:
+        p.append(f"metrics.log_interval must be positive, got {cfg.metrics.log_interval}")
+    return p
+
+
+def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
+    d, m, p = cfg.distributed, cfg.model, []
+    if world_size <= 0:
+        return [f"world size must be positive, got {world_size}"]
+    for name in LAYOUT_DIMS:
+        value = getattr(d, name)
+        if value < 1 and not (name == "dp_shard" and value == -1):
+            p.append(
+                f"distributed.{name} must be >= 1{' or -1 (fill the rest)' if name == 'dp_shard' else ''}, got {value}"
+            )
+    if p:
+        return p
+    fixed = math.prod(getattr(d, n) for n in LAYOUT_DIMS if n != "dp_shard")
+    product = " × ".join(f"{n}={getattr(d, n)}" for n in LAYOUT_DIMS if n != "dp_shard")
+    if d.dp_shard == -1 and world_size % fixed:
+        p.append(
+            f"world size {world_size} is not divisible by {product} = {fixed}, so dp_shard = -1 cannot fill the rest; change the degrees or the number of processes"
+        )
+    elif d.dp_shard != -1 and fixed * d.dp_shard != world_size:
+        p.append(
+            f"layout {product} × dp_shard={d.dp_shard} = {fixed * d.dp_shard} processes, but the world size is {world_size}; make the product equal the world size or set dp_shard = -1"
+        )
+    if m.n_heads > 0 and m.n_kv_heads > 0 and (m.n_heads % d.tp or m.n_kv_heads % d.tp):
+        p.append(
+            f"distributed.tp ({d.tp}) must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads})"
+        )
+    if d.pp > max(m.n_layers, 1):
+        p.append(f"distributed.pp ({d.pp}) exceeds model.n_layers ({m.n_layers})")
+    if d.ep > 1:
+        p.append(
+            "distributed.ep > 1 needs a Mixture-of-Experts model (model.num_experts > 0), which this version does not have"
+        )
+    return p

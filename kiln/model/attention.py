@@ -1,0 +1,61 @@
+"""Grouped-query causal self-attention on scaled_dot_product_attention, with an optional KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config.sections import ModelConfig
+from kiln.model.kv_cache import KVCache
+from kiln.model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        start = 0
+        if cache is not None:
+            start = cache.pos
+            k, v = cache.update(layer, k, v)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=_prefix_causal_mask(seq, start, q.device),
+            is_causal=start == 0,
+            enable_gqa=True,
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def _prefix_causal_mask(seq: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """Mask for queries at positions start..start+seq over keys 0..start+seq; None where is_causal or no mask suffices."""
+    if start == 0 or seq == 1:
+        return None
+    rows = torch.arange(start, start + seq, device=device)[:, None]
+    return torch.arange(start + seq, device=device)[None, :] <= rows

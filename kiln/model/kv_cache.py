@@ -1,0 +1,37 @@
+"""Preallocated key/value cache for incremental decoding."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        device,
+        dtype,
+    ):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0
+        self.max_len = max_len
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys/values for `layer`; return all keys/values so far."""
+        end = self.pos + k.shape[2]
+        assert end <= self.max_len, "KV cache overflow"
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.pos += n

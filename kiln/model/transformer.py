@@ -1,0 +1,114 @@
+"""Llama-3 style decoder: RMSNorm pre-norm blocks of GQA attention and SwiGLU, rotary positions."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from kiln.config.sections import ModelConfig
+from kiln.model.attention import Attention
+from kiln.model.feed_forward import FeedForward
+from kiln.model.kv_cache import KVCache
+from kiln.model.rope import rope_tables
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A dict keyed by layer index keeps parameter names stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        # Tied embeddings reuse tok_embeddings.weight in forward instead of sharing a Parameter,
+        # which `to_empty` and sharding would silently untie.
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=None)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab)."""
+        start = cache.pos if cache is not None else 0
+        end = start + tokens.shape[1]
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        h = self.tok_embeddings(tokens)
+        for i, block in enumerate(self.layers.values()):
+            h = block(h, cos, sin, cache, i)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def init_buffers(self) -> None:
+        """Recompute the rotary tables (non-persistent buffers hold garbage after `to_empty`)."""
+        cos, sin = rope_tables(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device
+        )
+        self.rope_cos, self.rope_sin = cos, sin
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Depth-scaled normal init. Each tensor is drawn from its own generator keyed by (seed, name),
+        so the full weights are the same whatever the device, sharding or layer placement."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            scale = (
+                residual_std
+                if name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+                else std
+            )
+            _fill_normal(param, std=scale, seed=_stable_seed(seed, name))
+
+
+def _stable_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (
+        (1 << 63) - 1
+    )
+
+
+def _fill_normal(param: torch.Tensor, *, std: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta") -> Transformer:
+    """Construct on the meta device: no memory is allocated until `materialize`."""
+    with torch.device(device):
+        return Transformer(cfg)
+
+
+def materialize(model: Transformer, *, device: torch.device | str, seed: int) -> Transformer:
+    model.to_empty(device=device)
+    model.init_buffers()
+    model.init_weights(seed)
+    return model
