@@ -1,5 +1,5 @@
 from kiln.config.dump import to_toml
-from kiln.config.load import load_config
+from kiln.config.load import config_from_dict, load_config, read_toml
 from kiln.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -23,7 +23,9 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainConfig",
+    "config_from_dict",
     "load_config",
+    "read_toml",
     "resolve_layout",
     "to_toml",
     "validate",

@@ -23,13 +23,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
     Raises ConfigError naming every problem (syntax, unknown keys, wrong types) at once.
     """
     raw = read_toml(path) if path is not None else {}
+    return config_from_dict(raw, overrides, source=path)
+
+
+def config_from_dict(raw: dict[str, Any], overrides: list[str] = (), source: str | Path | None = None) -> JobConfig:
     problems: list[str] = []
     for item in overrides:
         apply_override(raw, item, problems)
     resolve_model_preset(raw, problems)
     cfg = build_dataclass(JobConfig, raw, "", problems)
     if problems:
-        raise ConfigError(format_problems(problems, source=path))
+        raise ConfigError(format_problems(problems, source=source))
     return cfg
 
 

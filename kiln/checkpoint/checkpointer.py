@@ -1,0 +1,142 @@
+"""Save and load model, optimizer and trainer state with torch.distributed.checkpoint (DCP).
+
+State dicts are keyed by parameter name (not by layout), so a checkpoint written by one
+layout loads into another; DCP reads only the slices each rank owns.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from kiln.checkpoint import layout
+from kiln.config import JobConfig, ModelConfig, config_from_dict, read_toml, to_toml
+from kiln.errors import KilnError
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: JobConfig,
+    train_state: dict[str, Any],
+    tokenizer_path: Path | None = None,
+    keep_last_n: int = 0,
+) -> Path:
+    """Write step `step` into a hidden partial folder, then commit it (marker, rename, `latest`)."""
+    root = Path(root)
+    partial = layout.partial_dir(root, step)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        layout.remove_partials(root)
+        partial.mkdir()
+    _barrier()
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
+    rng_dir = partial / "rng"
+    rng_dir.mkdir(exist_ok=True)
+    torch.save(_rng_state(), rng_dir / f"rank_{_rank():05d}.pt")
+    _barrier()
+    final = layout.step_dir(root, step)
+    if _rank() == 0:
+        (partial / "config.toml").write_text(to_toml(config))
+        (partial / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2) + "\n")
+        if tokenizer_path is not None and not (root / "tokenizer.json").exists():
+            shutil.copyfile(tokenizer_path, root / "tokenizer.json")
+        final = layout.commit(root, step)
+        layout.prune(root, keep_last_n)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    restore_rng: bool = False,
+) -> dict[str, Any]:
+    """Load weights (and optimizer state, RNG when asked) in place; return the saved train state."""
+    path = layout.resolve_checkpoint(path)
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    except Exception as e:
+        wanted = "model and optimizer" if optimizer is not None else "model"
+        raise KilnError(f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?") from None
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    if restore_rng:
+        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+    return read_train_state(path)
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    file = Path(path) / "train_state.json"
+    return json.loads(file.read_text()) if file.is_file() else {"step": 0}
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The model section a checkpoint was written with."""
+    config_file = Path(path) / "config.toml"
+    if not config_file.is_file():
+        raise KilnError(f"{path} has no config.toml: it was not written by kiln")
+    raw = read_toml(config_file)
+    raw.get("model", {}).pop("preset", None)  # the preset was resolved into explicit keys on save
+    return config_from_dict(raw, source=config_file).model
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,109 @@
+"""On-disk layout of a checkpoint directory: step folders, the commit marker, `latest`, retention.
+
+    <root>/
+      latest                    # text: name of the newest complete step folder (replaced atomically)
+      tokenizer.json            # copied once, so a checkpoint can generate text on its own
+      step_00000200/
+        .metadata, *.distcp     # torch.distributed.checkpoint: model (+ optimizer)
+        config.toml             # the resolved job config that produced it
+        train_state.json        # step, data position, tokens seen
+        rng/rank_00000.pt       # per-rank RNG states
+        COMPLETE                # written last: a folder without it is never loaded
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+MARKER = "COMPLETE"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return Path(root) / f".step_{step:08d}.partial"
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed checkpoint under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_RE.match(child.name)
+        if match and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_complete(root: Path) -> Path | None:
+    steps = complete_steps(root)
+    return steps[-1][1] if steps else None
+
+
+def commit(root: Path, step: int) -> Path:
+    """Mark the partial folder complete, move it into place and point `latest` at it."""
+    partial, final = partial_dir(root, step), step_dir(root, step)
+    (partial / MARKER).write_text(f"{step}\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    tmp = Path(root) / f".{LATEST}.tmp"
+    tmp.write_text(final.name + "\n")
+    os.replace(tmp, Path(root) / LATEST)
+    return final
+
+
+def prune(root: Path, keep_last_n: int) -> None:
+    """Delete all but the newest `keep_last_n` complete checkpoints (0 keeps everything)."""
+    if keep_last_n <= 0:
+        return
+    for _, path in complete_steps(root)[:-keep_last_n]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_partials(root: Path) -> None:
+    """Leftovers of a save that died midway are never loaded; clear them before writing again."""
+    root = Path(root)
+    if root.is_dir():
+        for child in root.glob(".step_*.partial"):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, or a checkpoint root (its newest complete step); anything else is an error."""
+    path = Path(path)
+    if not path.exists():
+        raise KilnError(f"checkpoint not found: {path}")
+    if _STEP_RE.match(path.name) and is_complete(path):
+        return path
+    if _STEP_RE.match(path.name):
+        raise KilnError(f"{path} is an incomplete checkpoint (no {MARKER} marker): the save was interrupted; use an earlier step")
+    newest = latest_complete(path)
+    if newest is None:
+        raise KilnError(
+            f"{path} is not a kiln checkpoint: expected a step_XXXXXXXX/ folder with a {MARKER} marker, "
+            "or a directory holding such folders (written by `kiln train` or `kiln convert hf-to-kiln`)"
+        )
+    return newest
+
+
+def find_tokenizer(checkpoint: Path) -> Path | None:
+    for candidate in (checkpoint / "tokenizer.json", checkpoint.parent / "tokenizer.json"):
+        if candidate.is_file():
+            return candidate
+    return None
