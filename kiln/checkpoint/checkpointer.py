@@ -6,9 +6,11 @@ layout loads into another; DCP reads only the slices each rank owns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,8 @@ def save_checkpoint(
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
     rng_dir = partial / "rng"
     rng_dir.mkdir(exist_ok=True)
     torch.save(_rng_state(), rng_dir / f"rank_{_rank():05d}.pt")
@@ -93,7 +96,8 @@ def load_checkpoint(
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
     except Exception as e:
         wanted = "model and optimizer" if optimizer is not None else "model"
         raise KilnError(f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?") from None
@@ -120,6 +124,14 @@ def read_model_config(path: Path) -> ModelConfig:
     raw = read_toml(config_file)
     raw.get("model", {}).pop("preset", None)  # the preset was resolved into explicit keys on save
     return config_from_dict(raw, source=config_file).model
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when no process group exists; here that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _first_line(error: Exception) -> str:
