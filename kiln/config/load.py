@@ -17,23 +17,30 @@ CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
 MODEL_PRESET_DIR = CONFIG_ROOT / "model"
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (), *, world_size: int | None = None) -> JobConfig:
     """Read a TOML recipe, apply `--section.key=value` overrides and build the typed config.
 
-    Raises ConfigError naming every problem (syntax, unknown keys, wrong types) at once.
+    With `world_size`, also validate against it. Raises ConfigError naming every problem
+    (unknown keys, wrong types, invalid values, layout) at once.
     """
     raw = read_toml(path) if path is not None else {}
-    return config_from_dict(raw, overrides, source=path)
+    return config_from_dict(raw, overrides, source=path, world_size=world_size)
 
 
-def config_from_dict(raw: dict[str, Any], overrides: list[str] = (), source: str | Path | None = None) -> JobConfig:
+def config_from_dict(
+    raw: dict[str, Any], overrides: list[str] = (), *, source: str | Path | None = None, world_size: int | None = None
+) -> JobConfig:
+    from kiln.config.validate import collect_problems
+
     problems: list[str] = []
     for item in overrides:
         apply_override(raw, item, problems)
     resolve_model_preset(raw, problems)
     cfg = build_dataclass(JobConfig, raw, "", problems)
+    if world_size is not None:
+        problems += collect_problems(cfg, world_size)
     if problems:
-        raise ConfigError(format_problems(problems, source=source))
+        raise ConfigError.listing(problems, source)
     return cfg
 
 
@@ -152,8 +159,3 @@ def convert(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
         )
         return _INVALID
     return float(value) if hint is float else value
-
-
-def format_problems(problems: list[str], source: str | Path | None = None) -> str:
-    head = f"invalid config{f' {source}' if source else ''} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):"
-    return "\n".join([head, *(f"  - {p}" for p in problems)])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-from kiln.config.load import format_problems
 from kiln.config.sections import DistributedConfig, JobConfig
 from kiln.errors import ConfigError
 
@@ -23,10 +22,14 @@ LAYOUT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
 def validate(cfg: JobConfig, world_size: int = 1) -> None:
     """Raise ConfigError listing every problem with `cfg` for a job of `world_size` processes."""
-    problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
-    problems += _layout_problems(cfg, world_size)
+    problems = collect_problems(cfg, world_size)
     if problems:
-        raise ConfigError(format_problems(problems))
+        raise ConfigError.listing(problems)
+
+
+def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
+    problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
+    return problems + _layout_problems(cfg, world_size)
 
 
 def resolve_layout(dist: DistributedConfig, world_size: int) -> dict[str, int]:
@@ -100,6 +103,8 @@ def _train_problems(cfg: JobConfig) -> list[str]:
         p.append(
             f"scheduler.warmup_steps ({s.warmup_steps}) must be in [0, train.max_steps = {t.max_steps})"
         )
+    if s.name == "none" and s.warmup_steps:
+        p.append("scheduler.name = 'none' keeps the learning rate fixed and has no warmup; use 'constant' for warmup then constant")
     if not 0 <= s.min_lr_ratio <= 1:
         p.append(f"scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
     if not 0 < s.decay_ratio <= 1:

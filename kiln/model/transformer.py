@@ -73,7 +73,8 @@ class Transformer(nn.Module):
         so the full weights are the same whatever the device, sharding or layer placement."""
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
+        for wrapped_name, param in self.named_parameters():
+            name = canonical_name(wrapped_name)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
@@ -83,6 +84,16 @@ class Transformer(nn.Module):
                 else std
             )
             _fill_normal(param, std=scale, seed=_stable_seed(seed, name))
+
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name without the prefixes wrappers (activation checkpointing, compile) insert."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
 
 
 def _stable_seed(seed: int, name: str) -> int:
@@ -107,8 +118,10 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta") -> Tra
         return Transformer(cfg)
 
 
-def materialize(model: Transformer, *, device: torch.device | str, seed: int) -> Transformer:
+def materialize(model: Transformer, *, device: torch.device | str, seed: int | None) -> Transformer:
+    """Allocate on `device` and initialize; seed=None leaves the weights empty for a checkpoint to fill."""
     model.to_empty(device=device)
     model.init_buffers()
-    model.init_weights(seed)
+    if seed is not None:
+        model.init_weights(seed)
     return model

@@ -1,0 +1,33 @@
+# The two set-up commands on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint format clean
+
+$(BIN)/.kiln-installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.kiln-installed
+
+demo: install
+	$(BIN)/kiln prepare --demo
+	$(BIN)/kiln train configs/train/demo.toml
+	$(BIN)/kiln generate runs/demo/checkpoints --prompt "def read_config(path):" --max-new-tokens 80
+
+test: install lint
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf runs data .pytest_cache .ruff_cache

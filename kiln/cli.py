@@ -1,0 +1,180 @@
+"""Command line: argument parsing and dispatch only. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kiln.errors import KilnError
+
+OVERRIDE_HELP = "config overrides as --section.key=value (value parsed as a TOML literal), e.g. --train.max_steps=200"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = _overrides(extra, parser)
+    try:
+        return args.run(args) or 0
+    except KilnError as e:
+        print(f"kiln {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kiln {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="PyTorch-native LLM pretraining.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a model from a TOML recipe", epilog=OVERRIDE_HELP)
+    train.add_argument("config", help="path to a TOML recipe, e.g. configs/train/debug.toml")
+    train.set_defaults(run=cmd_train, accepts_overrides=True)
+
+    check = sub.add_parser("check", help="validate a recipe and print the resolved config, layout, size", epilog=OVERRIDE_HELP)
+    check.add_argument("config", help="path to a TOML recipe")
+    check.add_argument("--world-size", type=int, default=1, help="number of processes to validate the layout against")
+    check.set_defaults(run=cmd_check, accepts_overrides=True)
+
+    prepare = sub.add_parser("prepare", help="tokenize text/JSONL/Parquet into memory-mapped token shards")
+    prepare.add_argument("--demo", action="store_true", help="build the built-in corpus (Python standard library source)")
+    prepare.add_argument("--input", nargs="+", help="input files or directories (.txt, .jsonl, .parquet)")
+    prepare.add_argument("--tokenizer", help="path to a Hugging Face tokenizer.json")
+    prepare.add_argument("--output", help="output dataset directory (default data/demo with --demo)")
+    prepare.add_argument("--text-key", default="text", help="JSONL/Parquet field holding the text (default: text)")
+    prepare.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    prepare.set_defaults(run=cmd_prepare)
+
+    generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
+    generate.add_argument("checkpoint", help="a checkpoint directory (its newest step) or a step_XXXXXXXX folder")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    generate.set_defaults(run=cmd_generate)
+
+    convert = sub.add_parser("convert", help="convert between Hugging Face Llama and kiln checkpoints")
+    direction = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    hf_to_kiln = direction.add_parser("hf-to-kiln", help="HF safetensors + config.json -> kiln checkpoint")
+    hf_to_kiln.add_argument("source", help="Hugging Face model directory")
+    hf_to_kiln.add_argument("output", help="new kiln checkpoint directory")
+    kiln_to_hf = direction.add_parser("kiln-to-hf", help="kiln checkpoint -> HF LlamaForCausalLM directory")
+    kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
+    kiln_to_hf.add_argument("output", help="new Hugging Face model directory")
+    kiln_to_hf.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    convert.set_defaults(run=cmd_convert)
+    return parser
+
+
+def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Accept `--a.b=v` and `--a.b v`."""
+    out, i = [], 0
+    while i < len(extra):
+        item = extra[i]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            parser.error(f"unrecognized argument {item!r}; overrides look like --section.key=value")
+        if "=" not in item and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            item, i = f"{item}={extra[i + 1]}", i + 1
+        out.append(item)
+        i += 1
+    return out
+
+
+def cmd_train(args) -> int:
+    from kiln.config import load_config
+    from kiln.train.trainer import Trainer
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(args.config, args.overrides, world_size=world_size)
+    Trainer(cfg, world_size=world_size).train()
+    return 0
+
+
+def cmd_check(args) -> int:
+    from kiln.config import load_config, resolve_layout, to_toml
+    from kiln.model import count_params, flops_per_token
+
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    layout = resolve_layout(cfg.distributed, args.world_size)
+    params = count_params(cfg.model)
+    data_ranks = layout["dp_replicate"] * layout["dp_shard"] * layout["ep"]
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
+    # fp32 weights + grads + two AdamW moments, sharded over every dimension that splits parameters.
+    shards = layout["dp_shard"] * layout["tp"] * layout["pp"] * layout["ep"]
+    print(to_toml(cfg))
+    print(f"# world size {args.world_size}: " + " × ".join(f"{k}={v}" for k, v in layout.items()))
+    print(f"# parameters: {params.total:,} ({params.non_embedding:,} non-embedding)")
+    print(f"# FLOPs per token (fwd+bwd, seq_len {cfg.train.seq_len}): {flops_per_token(cfg.model, cfg.train.seq_len):.4g}")
+    print(f"# global batch: {global_batch} sequences = {global_batch * cfg.train.seq_len:,} tokens per step")
+    print(f"# weights + grads + optimizer state per rank: {16 * params.total / shards / 2**30:.2f} GiB (before activations)")
+    print("# config OK")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from kiln.data.demo_corpus import ensure_demo_corpus
+    from kiln.data.prepare import prepare_dataset
+
+    if args.demo:
+        path = ensure_demo_corpus(args.output or "data/demo")
+        print(f"built-in corpus ready at {path}")
+        return 0
+    missing = [flag for flag, value in (("--input", args.input), ("--tokenizer", args.tokenizer), ("--output", args.output)) if not value]
+    if missing:
+        raise KilnError(f"kiln prepare needs {', '.join(missing)} (or --demo for the built-in corpus)")
+    path = prepare_dataset(args.input, args.tokenizer, args.output, text_key=args.text_key, overwrite=args.overwrite)
+    print(f"dataset written to {path}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from kiln.checkpoint import find_tokenizer, load_checkpoint, read_model_config, resolve_checkpoint
+    from kiln.data.tokenizer import load_tokenizer
+    from kiln.model import build_model, materialize
+    from kiln.model.generate import generate
+    from kiln.train.trainer import pick_device
+
+    path = resolve_checkpoint(args.checkpoint)
+    tokenizer_path = find_tokenizer(path)
+    if tokenizer_path is None:
+        raise KilnError(f"no tokenizer.json in {path} or its parent: copy the tokenizer the model was trained with there")
+    tokenizer = load_tokenizer(tokenizer_path)
+    device = pick_device(args.device)
+    model = materialize(build_model(read_model_config(path)), device=device, seed=None)
+    load_checkpoint(path, model=model)
+    model.eval()
+    prompt_ids = tokenizer.encode(args.prompt).ids
+    eos = tokenizer.token_to_id("<|eos|>")
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        new = generate(
+            model,
+            prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_id=eos,
+            seed=args.seed,
+        )
+    print(args.prompt + tokenizer.decode(new))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf
+
+    if args.direction == "hf-to-kiln":
+        out = hf_to_kiln(args.source, args.output)
+    else:
+        out = kiln_to_hf(args.source, args.output, dtype=args.dtype)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,33 @@
+"""Data: tokenizers, tokenized shard datasets, `kiln prepare`, and the built-in demo corpus."""
+
+from kiln.data.dataset import TokenDataset
+from kiln.data.demo_corpus import ensure_demo_corpus
+from kiln.data.prepare import prepare_dataset
+from kiln.data.shards import DatasetExistsError, ShardWriter, read_index
+from kiln.data.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    encode_ids,
+    eos_id,
+    load_tokenizer,
+    tokenizer_hash,
+    train_bpe_tokenizer,
+)
+
+__all__ = [
+    "BOS_TOKEN",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "DatasetExistsError",
+    "ShardWriter",
+    "TokenDataset",
+    "encode_ids",
+    "ensure_demo_corpus",
+    "eos_id",
+    "load_tokenizer",
+    "prepare_dataset",
+    "read_index",
+    "tokenizer_hash",
+    "train_bpe_tokenizer",
+]

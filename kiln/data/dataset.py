@@ -1,0 +1,128 @@
+"""Memory-mapped token dataset: all shards read as one stream, cut into fixed-length samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.data.shards import TOKENIZER_FILE, read_index
+from kiln.errors import KilnError
+
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+class TokenDataset:
+    """Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1]: the inputs plus the shifted labels.
+
+    Consecutive samples share one token (the last label of i is the first input of i+1),
+    so every token is predicted exactly once per pass. Samples may span shard boundaries.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int) -> None:
+        if seq_len <= 0:
+            raise KilnError(f"seq_len must be positive, got {seq_len}")
+        self.path = Path(path)
+        self.seq_len = seq_len
+        self._index = read_index(self.path)
+        self._check_shards()
+        sizes = [shard["num_tokens"] for shard in self._index["shards"]]
+        # Global position of each shard's first token, plus the end of the stream.
+        self._shard_starts = np.cumsum([0, *sizes], dtype=np.int64)
+        self._memmaps: list[np.memmap] | None = None
+        if len(self) == 0:
+            raise KilnError(
+                f"dataset {self.path} has {self.num_tokens} tokens, too few for one sample of "
+                f"seq_len {seq_len} (needs {seq_len + 1}); use a smaller seq_len or more data"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._index["vocab_size"]
+
+    @property
+    def eos_id(self) -> int:
+        return self._index["eos_id"]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / TOKENIZER_FILE
+
+    @property
+    def num_tokens(self) -> int:
+        return self._index["num_tokens"]
+
+    def __len__(self) -> int:
+        return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.sample(i)
+
+    def sample(self, i: int) -> np.ndarray:
+        """Tokens of sample i as int64, length seq_len + 1."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
+        start = i * self.seq_len
+        return self.read(start, start + self.seq_len + 1)
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        """Tokens [start, end) of the concatenated stream as int64."""
+        if not 0 <= start <= end <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {end}) outside [0, {self.num_tokens})")
+        memmaps = self._open()
+        out = np.empty(end - start, dtype=np.int64)
+        shard = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        pos = start
+        # Loops over the (usually one or two) shards the range touches, never over tokens.
+        while pos < end:
+            shard_start = int(self._shard_starts[shard])
+            stop = min(end, int(self._shard_starts[shard + 1]))
+            out[pos - start : stop - start] = memmaps[shard][pos - shard_start : stop - shard_start]
+            pos = stop
+            shard += 1
+        return out
+
+    def document_starts(self) -> np.ndarray:
+        """Global stream offset of every document's first token, as uint64."""
+        parts = [
+            np.load(self.path / shard["docs_file"]) + np.uint64(offset)
+            for shard, offset in zip(self._index["shards"], self._shard_starts, strict=False)
+        ]
+        return np.concatenate(parts).astype(np.uint64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Drop the memmaps so DataLoader workers reopen the files instead of pickling their data.
+        state = self.__dict__.copy()
+        state["_memmaps"] = None
+        return state
+
+    def _open(self) -> list[np.memmap]:
+        if self._memmaps is None:
+            dtype = np.dtype(self._index["dtype"]).newbyteorder("<")
+            self._memmaps = [
+                np.memmap(self.path / shard["file"], dtype=dtype, mode="r")
+                for shard in self._index["shards"]
+            ]
+        return self._memmaps
+
+    def _check_shards(self) -> None:
+        """Catch truncated or mismatched files now rather than as garbage tokens mid-training."""
+        index = self._index
+        fix = "re-create it with `kiln prepare ... --overwrite`"
+        if index["dtype"] not in TOKEN_DTYPES:
+            raise KilnError(f"dataset {self.path} has unknown dtype {index['dtype']!r}; {fix}")
+        if not index["shards"]:
+            raise KilnError(f"dataset {self.path} has no shards; {fix}")
+        itemsize = np.dtype(index["dtype"]).itemsize
+        for shard in index["shards"]:
+            file = self.path / shard["file"]
+            expected = shard["num_tokens"] * itemsize
+            if not file.is_file() or file.stat().st_size != expected:
+                raise KilnError(
+                    f"dataset {self.path}: shard {shard['file']} is missing or not {expected} bytes; {fix}"
+                )
+        if sum(shard["num_tokens"] for shard in index["shards"]) != index["num_tokens"]:
+            raise KilnError(
+                f"dataset {self.path}: shard token counts do not add up to num_tokens; {fix}"
+            )

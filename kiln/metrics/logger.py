@@ -1,0 +1,74 @@
+"""Per-step metrics: a readable stdout line with a progress bar and ETA, and metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+JSONL_NAME = "metrics.jsonl"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, *, max_steps: int, start_step: int, jsonl: bool = True):
+        self.path = Path(run_dir) / JSONL_NAME if jsonl else None
+        self.max_steps = max_steps
+        self.start_step = start_step
+        self.start_time = time.perf_counter()
+        if self.path is not None:
+            truncate_after(self.path, start_step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        print(self.format_line(record), flush=True)
+
+    def format_line(self, r: dict[str, Any]) -> str:
+        step = r["step"]
+        done = (step - self.start_step) / max(1, self.max_steps - self.start_step)
+        elapsed = time.perf_counter() - self.start_time
+        eta = elapsed / done * (1 - done) if done > 0 else math.nan
+        filled = int(20 * step / self.max_steps)
+        parts = [
+            f"step {step:>{len(str(self.max_steps))}}/{self.max_steps} [{'#' * filled}{'.' * (20 - filled)}] eta {_duration(eta)}",
+            f"loss {r['loss']:.4f}",
+            f"grad_norm {r['grad_norm']:.3f}",
+            f"lr {r['lr']:.2e}",
+            f"tok/s {r['tokens_per_sec']:,.0f}",
+        ]
+        if r.get("mfu") is not None:
+            parts.append(f"mfu {100 * r['mfu']:.1f}%")
+        if r.get("peak_mem_gb") is not None:
+            parts.append(f"mem {r['peak_mem_gb']:.1f}GB")
+        return " | ".join(parts)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records past `step`: a run resumed from a checkpoint at `step` logs those steps again."""
+    records = read_metrics(path)
+    kept = [r for r in records if r["step"] <= step]
+    if len(kept) != len(records):
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "--:--"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def warn(message: str) -> None:
+    print(f"kiln: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,172 @@
+"""The training loop. Reads like the recipe: mesh → model on meta → parallelize → materialize/load →
+optimizer, schedule, data → loop (fetch, forward/backward per micro-batch, clip, step, log, checkpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.checkpoint import latest_complete, load_checkpoint, save_checkpoint
+from kiln.config import JobConfig, to_toml, validate
+from kiln.data.loader import BatchLoader
+from kiln.data.sources import open_training_data
+from kiln.errors import ConfigError
+from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics, warn
+from kiln.metrics.mfu import mfu, peak_flops
+from kiln.metrics.plot import plot_loss_curve
+from kiln.model import build_model, flops_per_token, materialize
+from kiln.parallel.apply import apply_parallelism
+from kiln.train.loss import count_valid, token_loss_sum
+from kiln.train.optimizer import build_optimizer
+from kiln.train.schedule import lr_factor
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, *, world_size: int = 1):
+        validate(cfg, world_size)
+        if world_size != 1:
+            raise ConfigError("multi-process training arrives with the distributed core; run one process for now")
+        self.cfg = cfg
+        self.device = pick_device(cfg.train.device)
+        self.dataset = open_training_data(cfg.data, seq_len=cfg.train.seq_len, model_vocab_size=cfg.model.vocab_size)
+        self.run_dir = Path(cfg.metrics.run_dir)
+        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_model(cfg.model)
+        apply_parallelism(self.model, cfg)
+        materialize(self.model, device=self.device, seed=cfg.train.seed)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.loader = BatchLoader(
+            self.dataset, seed=cfg.train.seed, batch_size=cfg.train.batch_size, grad_accum_steps=cfg.train.grad_accum_steps
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self._resume()
+        self.autocast = self._autocast_context()
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_flops = peak_flops(self.device)
+
+    def train(self) -> list[dict]:
+        """Run to train.max_steps; return the logged records."""
+        cfg = self.cfg
+        logger = MetricsLogger(self.run_dir, max_steps=cfg.train.max_steps, start_step=self.step, jsonl=cfg.metrics.jsonl)
+        records, window_start, window_tokens = [], time.perf_counter(), 0
+        while self.step < cfg.train.max_steps:
+            loss, grad_norm, lr, tokens = self.train_step()
+            window_tokens += tokens
+            if self.step % cfg.metrics.log_interval == 0 or self.step in (1, cfg.train.max_steps):
+                elapsed = time.perf_counter() - window_start  # .item() below syncs, so this is honest
+                record = self._record(loss.item(), grad_norm.item(), lr, window_tokens / elapsed)
+                logger.log(record)
+                records.append(record)
+                window_start, window_tokens = time.perf_counter(), 0
+            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                self.save()
+        if cfg.checkpoint.save_final and latest_step(self.checkpoint_dir) != self.step:
+            self.save()
+        self._summarize()
+        return records
+
+    def _summarize(self) -> None:
+        history = read_metrics(self.run_dir / JSONL_NAME)
+        plot = None
+        if self.cfg.metrics.plot and history:
+            plot = plot_loss_curve(self.run_dir / JSONL_NAME, self.run_dir / "loss_curve.png")
+        lines = [f"kiln: finished step {self.step}"]
+        if history:
+            first, last = history[0]["loss"], history[-1]["loss"]
+            lines.append(f"loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} ({100 * last / first:.0f}% of first)")
+        newest = latest_complete(self.checkpoint_dir)
+        if newest is not None:
+            lines.append(f"checkpoint {newest}")
+        if plot is not None:
+            lines.append(f"loss curve {plot}")
+        print(" | ".join(lines), flush=True)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in self.loader.next_step()]
+        # Normalize by the valid tokens of the whole optimizer step, counted before any backward,
+        # so every grad-accumulation split computes the gradient of the same loss.
+        valid = sum(count_valid(labels) for _, labels in micro_batches)
+        total = torch.zeros((), device=self.device)
+        for inputs, labels in micro_batches:
+            with self.autocast:
+                logits = self.model(inputs)
+            loss_sum = token_loss_sum(logits, labels, z_loss_weight=self.cfg.train.z_loss_weight)
+            (loss_sum / valid).backward()
+            total += loss_sum.detach()
+        max_norm = self.cfg.train.grad_clip_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        lr = self.cfg.optimizer.lr * lr_factor(self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        tokens = sum(inputs.numel() for inputs, _ in micro_batches)
+        self.tokens_seen += tokens
+        return total / valid, grad_norm, lr, tokens
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.checkpoint_dir,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            config=self.cfg,
+            train_state={**self.loader.state_dict(), "tokens_seen": self.tokens_seen},
+            tokenizer_path=self.dataset.tokenizer_path,
+            keep_last_n=self.cfg.checkpoint.keep_last_n,
+        )
+
+    def _resume(self) -> None:
+        newest = latest_complete(self.checkpoint_dir) if self.cfg.checkpoint.resume == "auto" else None
+        if newest is not None:
+            state = load_checkpoint(newest, model=self.model, optimizer=self.optimizer, restore_rng=True)
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.loader.load_state_dict(state)
+            print(f"kiln: resumed from {newest} (step {self.step})", flush=True)
+        elif self.cfg.checkpoint.load_path:
+            load_checkpoint(self.cfg.checkpoint.load_path, model=self.model)
+            print(f"kiln: initial weights from {self.cfg.checkpoint.load_path}", flush=True)
+
+    def _autocast_context(self):
+        if self.cfg.train.mixed_precision == "bf16" and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.cfg.train.mixed_precision == "bf16":
+            warn("mixed_precision = 'bf16' applies on GPU; training in fp32 on CPU")
+        return contextlib.nullcontext()
+
+    def _record(self, loss: float, grad_norm: float, lr: float, tokens_per_sec: float) -> dict:
+        peak_mem = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": mfu(flops_per_token=self.flops_per_token, tokens_per_sec=tokens_per_sec, peak=self.peak_flops),
+            "peak_mem_gb": peak_mem,
+            "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        }
+
+
+def latest_step(checkpoint_dir: Path) -> int | None:
+    newest = latest_complete(checkpoint_dir)
+    return int(newest.name.split("_")[1]) if newest is not None else None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no GPU is visible; use 'auto' or 'cpu'")
+    return torch.device(name)

@@ -1,0 +1,27 @@
+"""Shared fixtures: the built-in corpus is built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_CONFIG = REPO / "configs" / "train" / "debug.toml"
+
+# Two cores: keep torch from oversubscribing when tests run subprocesses.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    from kiln.data.demo_corpus import ensure_demo_corpus
+
+    return ensure_demo_corpus(tmp_path_factory.mktemp("corpus") / "demo", max_bytes=2_000_000)
+
+
+@pytest.fixture
+def debug_overrides(demo_data, tmp_path) -> list[str]:
+    """Overrides that point the debug recipe at the session corpus and a fresh run dir."""
+    return [f"--data.path={demo_data}", f"--metrics.run_dir={tmp_path / 'run'}"]

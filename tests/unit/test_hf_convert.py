@@ -1,0 +1,306 @@
+"""Hugging Face parity (DESIGN §5): converted models give the same logits and tokens as transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kiln.checkpoint import load_checkpoint, read_model_config, resolve_checkpoint, save_checkpoint
+from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf
+from kiln.config import JobConfig, ModelConfig
+from kiln.errors import KilnError
+from kiln.model import Transformer, build_model, materialize
+from kiln.model.generate import generate
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+TOLERANCE = 1e-4
+
+
+def _llama_config(**overrides) -> transformers.LlamaConfig:
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        # Larger than the 0.02 default so that attention is far from uniform and a wrong rotary
+        # table or mask moves the logits well past the tolerance.
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaConfig(**{**fields, **overrides})
+
+
+@torch.no_grad()
+def _randomize_norms(model: torch.nn.Module) -> None:
+    """Norm weights start at one on both sides, which would hide a swapped or dropped norm."""
+    generator = torch.Generator().manual_seed(1)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+
+
+def _write_tokenizer(path: Path) -> Path:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = ["the quick brown fox jumps over the lazy dog", "a kiln fires clay into pottery"] * 4
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def _save_hf(path: Path, **overrides) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config(**overrides)).eval()
+    _randomize_norms(model)
+    model.save_pretrained(path)
+    return model
+
+
+def _load_kiln(ckpt: Path) -> Transformer:
+    step_dir = resolve_checkpoint(ckpt)
+    model = materialize(build_model(read_model_config(step_dir)), device="cpu", seed=None)
+    load_checkpoint(step_dir, model=model)
+    return model
+
+
+def _tokens(batch: int = 2, seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(2))
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf")
+    _save_hf(path)
+    _write_tokenizer(path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_dir) -> transformers.LlamaForCausalLM:
+    return transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def kiln_ckpt(hf_dir, tmp_path_factory) -> Path:
+    return hf_to_kiln(hf_dir, tmp_path_factory.mktemp("kiln") / "ckpt")
+
+
+def test_hf_to_kiln_logits_match(hf_model, kiln_ckpt):
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        got = _load_kiln(kiln_ckpt)(tokens)
+    assert _max_diff(got, expected) <= TOLERANCE
+    assert (kiln_ckpt.parent / "tokenizer.json").is_file()
+
+
+def test_hf_to_kiln_maps_config(kiln_ckpt):
+    cfg = read_model_config(kiln_ckpt)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (64, 2, 4, 2)
+    assert (cfg.vocab_size, cfg.ffn_hidden_dim, cfg.max_seq_len) == (VOCAB, 128, 128)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.tie_embeddings) == (500000.0, 1e-5, False)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_kiln_to_hf_logits_match(tmp_path, tied):
+    cfg = ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=VOCAB,
+        ffn_hidden_dim=128,
+        rope_theta=500000.0,
+        max_seq_len=128,
+        tie_embeddings=tied,
+        init_std=0.1,
+    )
+    model = materialize(build_model(cfg), device="cpu", seed=3)
+    _randomize_norms(model)
+    tokenizer = _write_tokenizer(tmp_path / "tokenizer.json")
+    save_checkpoint(
+        tmp_path / "ckpt",
+        7,
+        model=model,
+        optimizer=None,
+        config=JobConfig(model=cfg),
+        train_state={},
+        tokenizer_path=tokenizer,
+    )
+
+    out = kiln_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+    tokens = _tokens()
+    with torch.no_grad():
+        assert _max_diff(hf_model.eval()(tokens).logits, model(tokens)) <= TOLERANCE
+    assert ("lm_head.weight" in load_file(out / "model.safetensors")) is not tied
+
+
+def test_exported_tokenizer_loads_in_transformers(kiln_ckpt, tmp_path):
+    out = kiln_to_hf(kiln_ckpt, tmp_path / "hf")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "the lazy kiln jumps"
+    assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == ours.encode(text).ids
+    config = json.loads((out / "config.json").read_text())
+    assert config["bos_token_id"] == ours.token_to_id("<|bos|>")
+    assert config["eos_token_id"] == ours.token_to_id("<|eos|>")
+    assert hf_tokenizer.eos_token == "<|eos|>"
+
+
+def test_greedy_generation_matches_hf(hf_model, kiln_ckpt):
+    prompt = [5, 17, 42, 99, 250]
+    expected = hf_model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    assert generate(_load_kiln(kiln_ckpt), prompt, max_new_tokens=12) == expected
+
+
+def test_round_trip_is_exact(hf_dir, kiln_ckpt, tmp_path):
+    out = kiln_to_hf(kiln_ckpt, tmp_path / "hf")
+    original, exported = (
+        load_file(hf_dir / "model.safetensors"),
+        load_file(out / "model.safetensors"),
+    )
+    assert original.keys() == exported.keys()
+    for name, tensor in original.items():
+        assert torch.equal(tensor, exported[name]), name
+
+
+def test_sharded_and_tied_hf_checkpoint(tmp_path):
+    hf_model = _save_hf(tmp_path / "hf", tie_word_embeddings=True)
+    _shard(tmp_path / "hf")
+    ckpt = hf_to_kiln(tmp_path / "hf", tmp_path / "kiln")
+    tokens = _tokens()
+    with torch.no_grad():
+        assert _max_diff(_load_kiln(ckpt)(tokens), hf_model(tokens).logits) <= TOLERANCE
+
+
+def _shard(hf_dir: Path) -> None:
+    """Split model.safetensors in two files with an index, as save_pretrained does for big models."""
+    tensors = load_file(hf_dir / "model.safetensors")
+    (hf_dir / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, hf_dir / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only Llama"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"head_dim": 32}, "head_dim 32"),
+    ],
+)
+def test_unsupported_hf_configs_are_refused(hf_dir, tmp_path, change, message):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (src / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(KilnError, match=message):
+        hf_to_kiln(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_tensor_is_named(hf_dir, tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.1.mlp.extra.weight"] = torch.zeros(1)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KilnError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]") as e:
+        hf_to_kiln(src, tmp_path / "out")
+    assert "model.layers.1.mlp.extra.weight" in str(e.value)
+
+
+def test_non_empty_out_dir_is_refused(hf_dir, kiln_ckpt, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(KilnError, match="not empty"):
+        hf_to_kiln(hf_dir, tmp_path)
+    with pytest.raises(KilnError, match="not empty"):
+        kiln_to_hf(kiln_ckpt, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_not_a_kiln_checkpoint_is_refused(hf_dir, tmp_path):
+    with pytest.raises(KilnError, match="not a kiln checkpoint"):
+        kiln_to_hf(hf_dir, tmp_path / "out")
+
+
+def test_qk_norm_model_is_not_exported(tmp_path):
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=64, qk_norm=True)
+    model = materialize(build_model(cfg), device="cpu", seed=0)
+    save_checkpoint(
+        tmp_path / "ckpt",
+        0,
+        model=model,
+        optimizer=None,
+        config=JobConfig(model=cfg),
+        train_state={},
+    )
+    with pytest.raises(KilnError, match="qk_norm"):
+        kiln_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+
+
+def test_sampling_is_seeded_and_filters(kiln_ckpt):
+    model = _load_kiln(kiln_ckpt)
+    prompt = [1, 2, 3]
+    greedy = generate(model, prompt, max_new_tokens=8)
+    sample = dict(max_new_tokens=8, temperature=1.5, top_p=0.9, seed=4)
+    assert generate(model, prompt, **sample) == generate(model, prompt, **sample)
+    assert generate(model, prompt, **sample) != generate(model, prompt, **{**sample, "seed": 5})
+    assert generate(model, prompt, max_new_tokens=8, temperature=2.0, top_k=1) == greedy
+    assert generate(model, prompt, max_new_tokens=8, temperature=2.0, top_p=1e-6) == greedy
+
+
+def test_generation_stops_at_eos_and_context(kiln_ckpt):
+    model = _load_kiln(kiln_ckpt)
+    greedy = generate(model, [1, 2, 3], max_new_tokens=8)
+    assert (
+        generate(model, [1, 2, 3], max_new_tokens=8, eos_id=greedy[2])
+        == greedy[: greedy.index(greedy[2]) + 1]
+    )
+    long_prompt = [7] * (model.cfg.max_seq_len - 2)
+    assert len(generate(model, long_prompt, max_new_tokens=10)) == 3
+    with pytest.raises(KilnError, match="more than the model's context"):
+        generate(model, [7] * (model.cfg.max_seq_len + 1), max_new_tokens=1)
