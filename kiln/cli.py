@@ -35,40 +35,75 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="path to a TOML recipe, e.g. configs/train/debug.toml")
     train.set_defaults(run=cmd_train, accepts_overrides=True)
 
-    check = sub.add_parser("check", help="validate a recipe and print the resolved config, layout, size", epilog=OVERRIDE_HELP)
+    check = sub.add_parser(
+        "check",
+        help="validate a recipe and print the resolved config, layout, size",
+        epilog=OVERRIDE_HELP,
+    )
     check.add_argument("config", help="path to a TOML recipe")
-    check.add_argument("--world-size", type=int, default=1, help="number of processes to validate the layout against")
+    check.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="number of processes to validate the layout against",
+    )
     check.set_defaults(run=cmd_check, accepts_overrides=True)
 
-    prepare = sub.add_parser("prepare", help="tokenize text/JSONL/Parquet into memory-mapped token shards")
-    prepare.add_argument("--demo", action="store_true", help="build the built-in corpus (Python standard library source)")
-    prepare.add_argument("--input", nargs="+", help="input files or directories (.txt, .jsonl, .parquet)")
+    prepare = sub.add_parser(
+        "prepare", help="tokenize text/JSONL/Parquet into memory-mapped token shards"
+    )
+    prepare.add_argument(
+        "--demo",
+        action="store_true",
+        help="build the built-in corpus (Python standard library source)",
+    )
+    prepare.add_argument(
+        "--input", nargs="+", help="input files or directories (.txt, .jsonl, .parquet)"
+    )
     prepare.add_argument("--tokenizer", help="path to a Hugging Face tokenizer.json")
-    prepare.add_argument("--output", help="output dataset directory (default data/demo with --demo)")
-    prepare.add_argument("--text-key", default="text", help="JSONL/Parquet field holding the text (default: text)")
-    prepare.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    prepare.add_argument(
+        "--output", help="output dataset directory (default data/demo with --demo)"
+    )
+    prepare.add_argument(
+        "--text-key", default="text", help="JSONL/Parquet field holding the text (default: text)"
+    )
+    prepare.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output directory"
+    )
     prepare.set_defaults(run=cmd_prepare)
 
     generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
-    generate.add_argument("checkpoint", help="a checkpoint directory (its newest step) or a step_XXXXXXXX folder")
+    generate.add_argument(
+        "checkpoint", help="a checkpoint directory (its newest step) or a step_XXXXXXXX folder"
+    )
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    generate.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)"
+    )
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     generate.set_defaults(run=cmd_generate)
 
-    convert = sub.add_parser("convert", help="convert between Hugging Face Llama and kiln checkpoints")
+    convert = sub.add_parser(
+        "convert", help="convert between Hugging Face Llama and kiln checkpoints"
+    )
     direction = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
-    hf_to_kiln = direction.add_parser("hf-to-kiln", help="HF safetensors + config.json -> kiln checkpoint")
+    hf_to_kiln = direction.add_parser(
+        "hf-to-kiln", help="HF safetensors + config.json -> kiln checkpoint"
+    )
     hf_to_kiln.add_argument("source", help="Hugging Face model directory")
     hf_to_kiln.add_argument("output", help="new kiln checkpoint directory")
-    kiln_to_hf = direction.add_parser("kiln-to-hf", help="kiln checkpoint -> HF LlamaForCausalLM directory")
+    kiln_to_hf = direction.add_parser(
+        "kiln-to-hf", help="kiln checkpoint -> HF LlamaForCausalLM directory"
+    )
     kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
     kiln_to_hf.add_argument("output", help="new Hugging Face model directory")
-    kiln_to_hf.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    kiln_to_hf.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16")
+    )
     convert.set_defaults(run=cmd_convert)
     return parser
 
@@ -111,9 +146,15 @@ def cmd_check(args) -> int:
     print(to_toml(cfg))
     print(f"# world size {args.world_size}: " + " × ".join(f"{k}={v}" for k, v in layout.items()))
     print(f"# parameters: {params.total:,} ({params.non_embedding:,} non-embedding)")
-    print(f"# FLOPs per token (fwd+bwd, seq_len {cfg.train.seq_len}): {flops_per_token(cfg.model, cfg.train.seq_len):.4g}")
-    print(f"# global batch: {global_batch} sequences = {global_batch * cfg.train.seq_len:,} tokens per step")
-    print(f"# weights + grads + optimizer state per rank: {16 * params.total / shards / 2**30:.2f} GiB (before activations)")
+    print(
+        f"# FLOPs per token (fwd+bwd, seq_len {cfg.train.seq_len}): {flops_per_token(cfg.model, cfg.train.seq_len):.4g}"
+    )
+    print(
+        f"# global batch: {global_batch} sequences = {global_batch * cfg.train.seq_len:,} tokens per step"
+    )
+    print(
+        f"# weights + grads + optimizer state per rank: {16 * params.total / shards / 2**30:.2f} GiB (before activations)"
+    )
     print("# config OK")
     return 0
 
@@ -126,10 +167,22 @@ def cmd_prepare(args) -> int:
         path = ensure_demo_corpus(args.output or "data/demo")
         print(f"built-in corpus ready at {path}")
         return 0
-    missing = [flag for flag, value in (("--input", args.input), ("--tokenizer", args.tokenizer), ("--output", args.output)) if not value]
+    missing = [
+        flag
+        for flag, value in (
+            ("--input", args.input),
+            ("--tokenizer", args.tokenizer),
+            ("--output", args.output),
+        )
+        if not value
+    ]
     if missing:
-        raise KilnError(f"kiln prepare needs {', '.join(missing)} (or --demo for the built-in corpus)")
-    path = prepare_dataset(args.input, args.tokenizer, args.output, text_key=args.text_key, overwrite=args.overwrite)
+        raise KilnError(
+            f"kiln prepare needs {', '.join(missing)} (or --demo for the built-in corpus)"
+        )
+    path = prepare_dataset(
+        args.input, args.tokenizer, args.output, text_key=args.text_key, overwrite=args.overwrite
+    )
     print(f"dataset written to {path}")
     return 0
 
@@ -137,7 +190,12 @@ def cmd_prepare(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from kiln.checkpoint import find_tokenizer, load_checkpoint, read_model_config, resolve_checkpoint
+    from kiln.checkpoint import (
+        find_tokenizer,
+        load_checkpoint,
+        read_model_config,
+        resolve_checkpoint,
+    )
     from kiln.data.tokenizer import load_tokenizer
     from kiln.model import build_model, materialize
     from kiln.model.generate import generate
@@ -146,7 +204,9 @@ def cmd_generate(args) -> int:
     path = resolve_checkpoint(args.checkpoint)
     tokenizer_path = find_tokenizer(path)
     if tokenizer_path is None:
-        raise KilnError(f"no tokenizer.json in {path} or its parent: copy the tokenizer the model was trained with there")
+        raise KilnError(
+            f"no tokenizer.json in {path} or its parent: copy the tokenizer the model was trained with there"
+        )
     tokenizer = load_tokenizer(tokenizer_path)
     device = pick_device(args.device)
     model = materialize(build_model(read_model_config(path)), device=device, seed=None)

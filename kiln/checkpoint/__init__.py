@@ -1,4 +1,9 @@
-from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, read_train_state, save_checkpoint
+from kiln.checkpoint.checkpointer import (
+    load_checkpoint,
+    read_model_config,
+    read_train_state,
+    save_checkpoint,
+)
 from kiln.checkpoint.layout import find_tokenizer, latest_complete, resolve_checkpoint
 
 __all__ = [

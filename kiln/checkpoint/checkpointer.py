@@ -74,7 +74,9 @@ def save_checkpoint(
     final = layout.step_dir(root, step)
     if _rank() == 0:
         (partial / "config.toml").write_text(to_toml(config))
-        (partial / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2) + "\n")
+        (partial / "train_state.json").write_text(
+            json.dumps({"step": step, **train_state}, indent=2) + "\n"
+        )
         if tokenizer_path is not None and not (root / "tokenizer.json").exists():
             shutil.copyfile(tokenizer_path, root / "tokenizer.json")
         final = layout.commit(root, step)
@@ -100,7 +102,9 @@ def load_checkpoint(
             dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
     except Exception as e:
         wanted = "model and optimizer" if optimizer is not None else "model"
-        raise KilnError(f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?") from None
+        raise KilnError(
+            f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?"
+        ) from None
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -140,7 +144,11 @@ def _first_line(error: Exception) -> str:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state

@@ -1,14 +1,14 @@
 """On-disk layout of a checkpoint directory: step folders, the commit marker, `latest`, retention.
 
-    <root>/
-      latest                    # text: name of the newest complete step folder (replaced atomically)
-      tokenizer.json            # copied once, so a checkpoint can generate text on its own
-      step_00000200/
-        .metadata, *.distcp     # torch.distributed.checkpoint: model (+ optimizer)
-        config.toml             # the resolved job config that produced it
-        train_state.json        # step, data position, tokens seen
-        rng/rank_00000.pt       # per-rank RNG states
-        COMPLETE                # written last: a folder without it is never loaded
+<root>/
+  latest                    # text: name of the newest complete step folder (replaced atomically)
+  tokenizer.json            # copied once, so a checkpoint can generate text on its own
+  step_00000200/
+    .metadata, *.distcp     # torch.distributed.checkpoint: model (+ optimizer)
+    config.toml             # the resolved job config that produced it
+    train_state.json        # step, data position, tokens seen
+    rng/rank_00000.pt       # per-rank RNG states
+    COMPLETE                # written last: a folder without it is never loaded
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if _STEP_RE.match(path.name) and is_complete(path):
         return path
     if _STEP_RE.match(path.name):
-        raise KilnError(f"{path} is an incomplete checkpoint (no {MARKER} marker): the save was interrupted; use an earlier step")
+        raise KilnError(
+            f"{path} is an incomplete checkpoint (no {MARKER} marker): the save was interrupted; use an earlier step"
+        )
     newest = latest_complete(path)
     if newest is None:
         raise KilnError(

@@ -17,7 +17,9 @@ CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
 MODEL_PRESET_DIR = CONFIG_ROOT / "model"
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), *, world_size: int | None = None) -> JobConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] = (), *, world_size: int | None = None
+) -> JobConfig:
     """Read a TOML recipe, apply `--section.key=value` overrides and build the typed config.
 
     With `world_size`, also validate against it. Raises ConfigError naming every problem
@@ -28,7 +30,11 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, world_siz
 
 
 def config_from_dict(
-    raw: dict[str, Any], overrides: list[str] = (), *, source: str | Path | None = None, world_size: int | None = None
+    raw: dict[str, Any],
+    overrides: list[str] = (),
+    *,
+    source: str | Path | None = None,
+    world_size: int | None = None,
 ) -> JobConfig:
     from kiln.config.validate import collect_problems
 

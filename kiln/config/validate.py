@@ -104,7 +104,9 @@ def _train_problems(cfg: JobConfig) -> list[str]:
             f"scheduler.warmup_steps ({s.warmup_steps}) must be in [0, train.max_steps = {t.max_steps})"
         )
     if s.name == "none" and s.warmup_steps:
-        p.append("scheduler.name = 'none' keeps the learning rate fixed and has no warmup; use 'constant' for warmup then constant")
+        p.append(
+            "scheduler.name = 'none' keeps the learning rate fixed and has no warmup; use 'constant' for warmup then constant"
+        )
     if not 0 <= s.min_lr_ratio <= 1:
         p.append(f"scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
     if not 0 < s.decay_ratio <= 1:

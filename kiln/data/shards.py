@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -87,8 +87,7 @@ class ShardWriter:
         self._shard_len = 0
 
     def __enter__(self) -> ShardWriter:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
+        self._tmp = _make_sibling_dir(self.path, "tmp")
         return self
 
     def __exit__(
@@ -191,7 +190,7 @@ class ShardWriter:
         if _is_occupied(self.path):
             self._check_output_free()
             # Move the old dataset aside first: rename cannot replace a non-empty directory.
-            old = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.old-", dir=self.path.parent))
+            old = _make_sibling_dir(self.path, "old")
             os.rename(self.path, old / "data")
         try:
             os.rename(self._tmp, self.path)
@@ -239,6 +238,14 @@ def read_index(path: str | Path) -> dict[str, Any]:
             f"{index_path} is corrupt (missing {', '.join(sorted(set(missing)))}); {remake}"
         )
     return index
+
+
+def _make_sibling_dir(path: Path, tag: str) -> Path:
+    """A new hidden directory next to `path`, on the same filesystem so rename is atomic."""
+    # Not tempfile.mkdtemp: its 0700 mode would make the published dataset unreadable to others.
+    sibling = path.parent / f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sibling.mkdir(parents=True)
+    return sibling
 
 
 def _is_occupied(path: Path) -> bool:

@@ -31,7 +31,9 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def mfu(*, flops_per_token: float, tokens_per_sec: float, peak: float | None, num_devices: int = 1) -> float | None:
+def mfu(
+    *, flops_per_token: float, tokens_per_sec: float, peak: float | None, num_devices: int = 1
+) -> float | None:
     if peak is None or tokens_per_sec <= 0:
         return None
     return flops_per_token * tokens_per_sec / (peak * num_devices)

@@ -20,7 +20,9 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"{Path(metrics_path).parent.name}: loss {records[0]['loss']:.3f} → {records[-1]['loss']:.3f}")
+    ax.set_title(
+        f"{Path(metrics_path).parent.name}: loss {records[0]['loss']:.3f} → {records[-1]['loss']:.3f}"
+    )
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path)

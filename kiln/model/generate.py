@@ -44,7 +44,7 @@ def generate(
         head_dim=cfg.head_dim,
         max_len=len(prompt_ids) + n_new - 1,
         device=param.device,
-        dtype=param.dtype,
+        dtype=_activation_dtype(param),
     )
     generator = torch.Generator(device=param.device).manual_seed(seed)
     logits = model(torch.tensor([prompt_ids], device=param.device), cache)[0, -1]
@@ -55,6 +55,14 @@ def generate(
         if token == eos_id or len(new) == n_new:
             return new
         logits = model(torch.tensor([[token]], device=param.device), cache)[0, -1]
+
+
+def _activation_dtype(param: torch.Tensor) -> torch.dtype:
+    """Keys and values come out in the autocast dtype when generating under autocast (as
+    `kiln generate` does on GPU); caching them in fp32 would double the cache for nothing."""
+    if torch.is_autocast_enabled(param.device.type):
+        return torch.get_autocast_dtype(param.device.type)
+    return param.dtype
 
 
 def _check_args(

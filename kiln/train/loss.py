@@ -8,7 +8,9 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, z_loss_weight: float = 0.0) -> torch.Tensor:
+def token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, *, z_loss_weight: float = 0.0
+) -> torch.Tensor:
     """Sum over valid tokens of cross entropy (+ z_loss_weight · logsumexp², which keeps logits from drifting)."""
     logits = logits.flatten(0, -2).float()
     labels = labels.flatten()

@@ -29,12 +29,18 @@ class Trainer:
     def __init__(self, cfg: JobConfig, *, world_size: int = 1):
         validate(cfg, world_size)
         if world_size != 1:
-            raise ConfigError("multi-process training arrives with the distributed core; run one process for now")
+            raise ConfigError(
+                "multi-process training arrives with the distributed core; run one process for now"
+            )
         self.cfg = cfg
         self.device = pick_device(cfg.train.device)
-        self.dataset = open_training_data(cfg.data, seq_len=cfg.train.seq_len, model_vocab_size=cfg.model.vocab_size)
+        self.dataset = open_training_data(
+            cfg.data, seq_len=cfg.train.seq_len, model_vocab_size=cfg.model.vocab_size
+        )
         self.run_dir = Path(cfg.metrics.run_dir)
-        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.checkpoint_dir = (
+            Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
 
@@ -44,7 +50,10 @@ class Trainer:
         materialize(self.model, device=self.device, seed=cfg.train.seed)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.loader = BatchLoader(
-            self.dataset, seed=cfg.train.seed, batch_size=cfg.train.batch_size, grad_accum_steps=cfg.train.grad_accum_steps
+            self.dataset,
+            seed=cfg.train.seed,
+            batch_size=cfg.train.batch_size,
+            grad_accum_steps=cfg.train.grad_accum_steps,
         )
         self.step = 0
         self.tokens_seen = 0
@@ -56,13 +65,20 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run to train.max_steps; return the logged records."""
         cfg = self.cfg
-        logger = MetricsLogger(self.run_dir, max_steps=cfg.train.max_steps, start_step=self.step, jsonl=cfg.metrics.jsonl)
+        logger = MetricsLogger(
+            self.run_dir,
+            max_steps=cfg.train.max_steps,
+            start_step=self.step,
+            jsonl=cfg.metrics.jsonl,
+        )
         records, window_start, window_tokens = [], time.perf_counter(), 0
         while self.step < cfg.train.max_steps:
             loss, grad_norm, lr, tokens = self.train_step()
             window_tokens += tokens
             if self.step % cfg.metrics.log_interval == 0 or self.step in (1, cfg.train.max_steps):
-                elapsed = time.perf_counter() - window_start  # .item() below syncs, so this is honest
+                elapsed = (
+                    time.perf_counter() - window_start
+                )  # .item() below syncs, so this is honest
                 record = self._record(loss.item(), grad_norm.item(), lr, window_tokens / elapsed)
                 logger.log(record)
                 records.append(record)
@@ -82,7 +98,9 @@ class Trainer:
         lines = [f"kiln: finished step {self.step}"]
         if history:
             first, last = history[0]["loss"], history[-1]["loss"]
-            lines.append(f"loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} ({100 * last / first:.0f}% of first)")
+            lines.append(
+                f"loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} ({100 * last / first:.0f}% of first)"
+            )
         newest = latest_complete(self.checkpoint_dir)
         if newest is not None:
             lines.append(f"checkpoint {newest}")
@@ -104,7 +122,9 @@ class Trainer:
             total += loss_sum.detach()
         max_norm = self.cfg.train.grad_clip_norm or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        lr = self.cfg.optimizer.lr * lr_factor(self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps)
+        lr = self.cfg.optimizer.lr * lr_factor(
+            self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -127,9 +147,13 @@ class Trainer:
         )
 
     def _resume(self) -> None:
-        newest = latest_complete(self.checkpoint_dir) if self.cfg.checkpoint.resume == "auto" else None
+        newest = (
+            latest_complete(self.checkpoint_dir) if self.cfg.checkpoint.resume == "auto" else None
+        )
         if newest is not None:
-            state = load_checkpoint(newest, model=self.model, optimizer=self.optimizer, restore_rng=True)
+            state = load_checkpoint(
+                newest, model=self.model, optimizer=self.optimizer, restore_rng=True
+            )
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.loader.load_state_dict(state)
             print(f"kiln: resumed from {newest} (step {self.step})", flush=True)
@@ -145,7 +169,11 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _record(self, loss: float, grad_norm: float, lr: float, tokens_per_sec: float) -> dict:
-        peak_mem = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
+        peak_mem = (
+            torch.cuda.max_memory_allocated(self.device) / 1e9
+            if self.device.type == "cuda"
+            else None
+        )
         return {
             "step": self.step,
             "loss": loss,
@@ -153,7 +181,11 @@ class Trainer:
             "lr": lr,
             "tokens_seen": self.tokens_seen,
             "tokens_per_sec": tokens_per_sec,
-            "mfu": mfu(flops_per_token=self.flops_per_token, tokens_per_sec=tokens_per_sec, peak=self.peak_flops),
+            "mfu": mfu(
+                flops_per_token=self.flops_per_token,
+                tokens_per_sec=tokens_per_sec,
+                peak=self.peak_flops,
+            ),
             "peak_mem_gb": peak_mem,
             "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         }

@@ -30,7 +30,16 @@ def test_explicit_model_keys_override_the_preset():
 )
 def test_seed_presets(name, shape):
     m = config_from_dict({"model": {"preset": name}}).model
-    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden_dim, m.vocab_size, m.max_seq_len, m.rope_theta) == shape
+    assert (
+        m.dim,
+        m.n_layers,
+        m.n_heads,
+        m.n_kv_heads,
+        m.ffn_hidden_dim,
+        m.vocab_size,
+        m.max_seq_len,
+        m.rope_theta,
+    ) == shape
 
 
 def test_cli_overrides_are_toml_literals():
@@ -40,7 +49,9 @@ def test_cli_overrides_are_toml_literals():
     assert parse_override("--optimizer.betas=[0.9, 0.99]") == (["optimizer", "betas"], [0.9, 0.99])
     assert parse_override("--data.path=data/my corpus") == (["data", "path"], "data/my corpus")
     cfg = load_config(DEBUG_CONFIG, ["--train.max_steps=7", "--optimizer.lr=1"])
-    assert cfg.train.max_steps == 7 and cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert (
+        cfg.train.max_steps == 7 and cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    )
 
 
 def test_every_problem_is_reported_at_once():
@@ -76,7 +87,7 @@ def test_toml_syntax_error_and_missing_file(tmp_path):
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    cfg = load_config(DEBUG_CONFIG, ["--optimizer.betas=[0.8, 0.9]", "--data.path=a \"quoted\" path"])
+    cfg = load_config(DEBUG_CONFIG, ["--optimizer.betas=[0.8, 0.9]", '--data.path=a "quoted" path'])
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     assert dataclasses.asdict(load_config(path)) == dataclasses.asdict(cfg)

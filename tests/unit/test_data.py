@@ -134,13 +134,14 @@ def test_document_boundaries_are_recorded(tmp_path: Path, tokenizer_file: Path) 
         assert starts.dtype == np.uint64 and starts[0] == 0
 
 
-def test_failed_write_leaves_nothing_behind(tmp_path: Path, tokenizer_file: Path) -> None:
-    with (
-        pytest.raises(RuntimeError, match="boom"),
-        ShardWriter(tmp_path / "ds", tokenizer_file) as writer,
-    ):
-        writer.add_document([5, 6, 7])
-        raise RuntimeError("boom")
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_failed_write_leaves_nothing_behind(
+    tmp_path: Path, tokenizer_file: Path, error: type[BaseException]
+) -> None:
+    with pytest.raises(error), ShardWriter(tmp_path / "ds", tokenizer_file, shard_tokens=2) as w:
+        for _ in range(5):
+            w.add_document([5, 6, 7])
+        raise error("interrupted mid-write")
     assert list(tmp_path.iterdir()) == []
 
 

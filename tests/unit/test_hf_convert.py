@@ -128,6 +128,23 @@ def test_hf_to_kiln_maps_config(kiln_ckpt):
     assert (cfg.rope_theta, cfg.norm_eps, cfg.tie_embeddings) == (500000.0, 1e-5, False)
 
 
+def test_transformers_4_config_is_read(hf_dir, tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    config = json.loads((src / "config.json").read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=250000.0, rope_scaling=None, num_key_value_heads=None)
+    (src / "config.json").write_text(json.dumps(config))
+    # n_kv_heads falls back to n_heads, so the 2-head k/v weights no longer fit.
+    with pytest.raises(KilnError, match=r"k_proj\.weight .* has shape"):
+        hf_to_kiln(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    config["num_key_value_heads"] = 2
+    (src / "config.json").write_text(json.dumps(config))
+    cfg = read_model_config(hf_to_kiln(src, tmp_path / "out"))
+    assert (cfg.rope_theta, cfg.n_kv_heads) == (250000.0, 2)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_kiln_to_hf_logits_match(tmp_path, tied):
     cfg = ModelConfig(
@@ -189,10 +206,8 @@ def test_greedy_generation_matches_hf(hf_model, kiln_ckpt):
 
 def test_round_trip_is_exact(hf_dir, kiln_ckpt, tmp_path):
     out = kiln_to_hf(kiln_ckpt, tmp_path / "hf")
-    original, exported = (
-        load_file(hf_dir / "model.safetensors"),
-        load_file(out / "model.safetensors"),
-    )
+    original = load_file(hf_dir / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
     assert original.keys() == exported.keys()
     for name, tensor in original.items():
         assert torch.equal(tensor, exported[name]), name

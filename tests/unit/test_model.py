@@ -5,7 +5,9 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.model import KVCache, build_model, count_params, flops_per_token, materialize
 from kiln.parallel.apply import apply_parallelism
 
-TINY = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden_dim=96, max_seq_len=64)
+TINY = ModelConfig(
+    dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden_dim=96, max_seq_len=64
+)
 
 
 def make(cfg: ModelConfig = TINY, seed: int = 0):
@@ -32,7 +34,9 @@ def test_param_count_and_flops_by_hand():
 
 
 def test_llama3_8b_flops_are_the_usual_number():
-    cfg = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256)
+    cfg = ModelConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256
+    )
     counts = count_params(cfg)
     assert abs(counts.total - 8.03e9) < 0.01e9
     # 7.50e9 matmul weights (8.03e9 less the 0.53e9 embedding table): 6·N ≈ 45.03 GFLOP/token,
@@ -42,7 +46,9 @@ def test_llama3_8b_flops_are_the_usual_number():
 
 def test_same_seed_same_weights():
     a, b, c = make(seed=1), make(seed=1), make(seed=2)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+    for (name, pa), pb, pc in zip(
+        a.named_parameters(), b.parameters(), c.parameters(), strict=True
+    ):
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):
             assert not torch.equal(pa, pc), name
@@ -80,7 +86,15 @@ def test_causal():
 def test_kv_cache_decoding_matches_full_forward():
     model = make()
     tokens = torch.randint(0, 97, (2, 20))
-    cache = KVCache(n_layers=3, batch=2, n_kv_heads=2, head_dim=16, max_len=32, device="cpu", dtype=torch.float32)
+    cache = KVCache(
+        n_layers=3,
+        batch=2,
+        n_kv_heads=2,
+        head_dim=16,
+        max_len=32,
+        device="cpu",
+        dtype=torch.float32,
+    )
     with torch.no_grad():
         full = model(tokens)
         pieces = [model(tokens[:, :7], cache), model(tokens[:, 7:12], cache)]

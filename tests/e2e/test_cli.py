@@ -1,0 +1,168 @@
+"""The CLI as a user runs it: real subprocesses, real files."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import DEBUG_CONFIG
+
+
+def kiln(*args, cwd, check=True, timeout=300):
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"kiln {args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["train"],
+        ["check"],
+        ["prepare"],
+        ["generate"],
+        ["convert"],
+        ["convert", "hf-to-kiln"],
+        ["convert", "kiln-to-hf"],
+    ],
+)
+def test_help(command, tmp_path):
+    result = kiln(*command, "--help", cwd=tmp_path)
+    assert "usage: kiln" in result.stdout
+
+
+def bad_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train\nmax_steps = 3\n")
+    return path
+
+
+BAD_INPUTS = {
+    "unknown key": (["check", DEBUG_CONFIG, "--train.batch_sze=3"], "did you mean 'batch_size'"),
+    "unknown section": (
+        ["check", DEBUG_CONFIG, "--trainer.max_steps=3"],
+        "unknown section 'trainer' (did you mean 'train'?)",
+    ),
+    "wrong type": (
+        ["check", DEBUG_CONFIG, "--train.max_steps=many"],
+        "train.max_steps: expected an integer, got 'many'",
+    ),
+    "negative lr": (
+        ["train", DEBUG_CONFIG, "--optimizer.lr=-0.1"],
+        "optimizer.lr must be positive",
+    ),
+    "heads vs kv heads": (
+        ["train", DEBUG_CONFIG, "--model.n_kv_heads=3"],
+        "must be divisible by model.n_kv_heads (3)",
+    ),
+    "layout vs world size": (
+        ["check", DEBUG_CONFIG, "--world-size=8", "--distributed.dp_shard=2", "--distributed.tp=2"],
+        "but the world size is 8",
+    ),
+    "toml syntax": ([bad_toml, "--world-size=1"], "TOML syntax error"),
+    "missing config": (["train", "nope.toml"], "config file not found: nope.toml"),
+    "missing data": (
+        ["train", DEBUG_CONFIG, "--data.source=prepared", "--data.path=no/such/data"],
+        "no/such/data",
+    ),
+    "not a checkpoint": (["generate", ".", "--prompt=hi"], "is not a kiln checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_gives_one_clear_error(case, tmp_path):
+    args, expected = BAD_INPUTS[case]
+    if callable(args[0]):
+        args = ["check", args[0](tmp_path), *args[1:]]
+    result = kiln(*args, cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing written for a run that never started
+
+
+def test_train_then_generate(demo_data, tmp_path):
+    kiln(
+        "train",
+        DEBUG_CONFIG,
+        f"--data.path={demo_data}",
+        "--train.max_steps=6",
+        "--metrics.run_dir=run",
+        cwd=tmp_path,
+    )
+    assert (tmp_path / "run" / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
+    out = kiln(
+        "generate",
+        "run/checkpoints",
+        "--prompt",
+        "def main(",
+        "--max-new-tokens",
+        "8",
+        cwd=tmp_path,
+    ).stdout
+    assert out.startswith("def main(")
+    sampled = kiln(
+        "generate",
+        "run/checkpoints/step_00000006",
+        "--prompt",
+        "import",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.9",
+        cwd=tmp_path,
+    )
+    assert sampled.stdout.startswith("import")
+
+
+def losses(run_dir):
+    return {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
+
+
+def test_killed_run_resumes_bitwise(demo_data, tmp_path):
+    """Kill a run after its first checkpoint, run the same command again: same losses as uninterrupted."""
+    common = [
+        DEBUG_CONFIG,
+        f"--data.path={demo_data}",
+        "--train.max_steps=24",
+        "--metrics.log_interval=1",
+        "--checkpoint.interval=4",
+    ]
+    kiln("train", *common, "--metrics.run_dir=straight", cwd=tmp_path)
+
+    command = [sys.executable, "-m", "kiln", "train", *map(str, common), "--metrics.run_dir=broken"]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    marker = tmp_path / "broken" / "checkpoints" / "step_00000004" / "COMPLETE"
+    deadline = time.monotonic() + 240
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert marker.exists()
+    assert not (tmp_path / "broken" / "checkpoints" / "step_00000024").exists(), (
+        "the run finished before it was killed"
+    )
+
+    resumed = kiln("train", *common, "--metrics.run_dir=broken", cwd=tmp_path)
+    assert "resumed from" in resumed.stdout
+    assert losses(tmp_path / "broken") == losses(tmp_path / "straight")
