@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -17,7 +18,7 @@ def test_decays_from_peak_to_floor(name):
     factors = [lr_factor(cfg, s, 100) for s in range(10, 101)]
     assert factors[0] == pytest.approx(1.0)
     assert factors[-1] == pytest.approx(0.1)
-    assert all(a >= b - 1e-12 for a, b in zip(factors, factors[1:], strict=False))
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(factors))
 
 
 def test_cosine_midpoint():
