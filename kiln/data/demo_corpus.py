@@ -12,8 +12,11 @@ from kiln.data.shards import INDEX_FILE, DatasetExistsError, ShardWriter
 from kiln.data.tokenizer import encode_ids, train_bpe_tokenizer
 
 DEMO_MAX_BYTES = 8 * 2**20
-# Tests would bias the corpus towards assertion boilerplate; the rest are vendored or legacy trees.
+# Tests would bias the corpus towards assertion boilerplate; encodings and pydoc_data are tables
+# of escaped code points and one giant string, not code; the rest are vendored or legacy trees.
 SKIP_DIRS = {
+    "encodings",
+    "pydoc_data",
     "site-packages",
     "dist-packages",
     "test",

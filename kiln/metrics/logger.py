@@ -35,7 +35,7 @@ class MetricsLogger:
         filled = int(20 * step / self.max_steps)
         parts = [
             f"step {step:>{len(str(self.max_steps))}}/{self.max_steps} [{'#' * filled}{'.' * (20 - filled)}] eta {_duration(eta)}",
-            f"loss {r['loss']:.4f}",
+            f"loss {r['loss']:.4f} (mean {r['loss_avg']:.4f})",
             f"grad_norm {r['grad_norm']:.3f}",
             f"lr {r['lr']:.2e}",
             f"tok/s {r['tokens_per_sec']:,.0f}",

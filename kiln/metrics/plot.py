@@ -17,12 +17,26 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", linewidth=1.2)
+    steps = [r["step"] for r in records]
+    ax.plot(
+        steps,
+        [r["loss"] for r in records],
+        linewidth=0.8,
+        alpha=0.5,
+        label="loss of the logged step",
+    )
+    ax.plot(
+        steps,
+        [r["loss_avg"] for r in records],
+        marker=".",
+        linewidth=1.5,
+        label="mean since the previous log",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(
-        f"{Path(metrics_path).parent.name}: loss {records[0]['loss']:.3f} → {records[-1]['loss']:.3f}"
-    )
+    ax.legend()
+    name = Path(metrics_path).parent.name
+    ax.set_title(f"{name}: mean loss {records[0]['loss_avg']:.3f} → {records[-1]['loss_avg']:.3f}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path)

@@ -71,18 +71,20 @@ class Trainer:
             start_step=self.step,
             jsonl=cfg.metrics.jsonl,
         )
-        records, window_start, window_tokens = [], time.perf_counter(), 0
+        records, window = [], _Window()
         while self.step < cfg.train.max_steps:
             loss, grad_norm, lr, tokens = self.train_step()
-            window_tokens += tokens
+            window.add(loss, tokens)
             if self.step % cfg.metrics.log_interval == 0 or self.step in (1, cfg.train.max_steps):
-                elapsed = (
-                    time.perf_counter() - window_start
-                )  # .item() below syncs, so this is honest
-                record = self._record(loss.item(), grad_norm.item(), lr, window_tokens / elapsed)
+                loss_avg = (
+                    window.mean_loss()
+                )  # syncs with the device, so the elapsed time is honest
+                record = self._record(
+                    loss.item(), loss_avg, grad_norm.item(), lr, window.tokens_per_sec()
+                )
                 logger.log(record)
                 records.append(record)
-                window_start, window_tokens = time.perf_counter(), 0
+                window = _Window()
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 self.save()
         if cfg.checkpoint.save_final and latest_step(self.checkpoint_dir) != self.step:
@@ -97,9 +99,9 @@ class Trainer:
             plot = plot_loss_curve(self.run_dir / JSONL_NAME, self.run_dir / "loss_curve.png")
         lines = [f"kiln: finished step {self.step}"]
         if history:
-            first, last = history[0]["loss"], history[-1]["loss"]
+            first, last = history[0]["loss_avg"], history[-1]["loss_avg"]
             lines.append(
-                f"loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} ({100 * last / first:.0f}% of first)"
+                f"mean loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} ({100 * last / first:.0f}% of first)"
             )
         newest = latest_complete(self.checkpoint_dir)
         if newest is not None:
@@ -168,7 +170,9 @@ class Trainer:
             warn("mixed_precision = 'bf16' applies on GPU; training in fp32 on CPU")
         return contextlib.nullcontext()
 
-    def _record(self, loss: float, grad_norm: float, lr: float, tokens_per_sec: float) -> dict:
+    def _record(
+        self, loss: float, loss_avg: float, grad_norm: float, lr: float, tokens_per_sec: float
+    ) -> dict:
         peak_mem = (
             torch.cuda.max_memory_allocated(self.device) / 1e9
             if self.device.type == "cuda"
@@ -177,6 +181,7 @@ class Trainer:
         return {
             "step": self.step,
             "loss": loss,
+            "loss_avg": loss_avg,
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens_seen": self.tokens_seen,
@@ -189,6 +194,24 @@ class Trainer:
             "peak_mem_gb": peak_mem,
             "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         }
+
+
+class _Window:
+    """Loss and throughput accumulated between two log lines, kept on the device until logged."""
+
+    def __init__(self):
+        self.start, self.tokens, self.steps, self.loss_sum = time.perf_counter(), 0, 0, 0.0
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        self.loss_sum = self.loss_sum + loss.detach()
+        self.tokens += tokens
+        self.steps += 1
+
+    def mean_loss(self) -> float:
+        return float(self.loss_sum) / self.steps
+
+    def tokens_per_sec(self) -> float:
+        return self.tokens / (time.perf_counter() - self.start)
 
 
 def latest_step(checkpoint_dir: Path) -> int | None:
