@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -100,7 +101,7 @@ def load_checkpoint(
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         wanted = "model and optimizer" if optimizer is not None else "model"
         raise KilnError(
             f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?"
@@ -138,7 +139,9 @@ def _single_process_quiet():
         yield
 
 
-def _first_line(error: Exception) -> str:
+def _first_line(error: BaseException) -> str:
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))  # the per-rank cause, not the wrapper
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 
