@@ -71,19 +71,23 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Depth-scaled normal init. Each tensor is drawn from its own generator keyed by (seed, name),
         so the full weights are the same whatever the device, sharding or layer placement."""
-        std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for wrapped_name, param in self.named_parameters():
             name = canonical_name(wrapped_name)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-                continue
-            scale = (
-                residual_std
-                if name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
-                else std
-            )
-            _fill_normal(param, std=scale, seed=_stable_seed(seed, name))
+            else:
+                _fill_normal(param, std=self._init_std(name), seed=_stable_seed(seed, name))
+
+    def _init_std(self, name: str) -> float:
+        cfg = self.cfg
+        if name == "tok_embeddings.weight" and not cfg.tie_embeddings:
+            # Unit-scale embeddings put the residual stream at O(1) from the start; at init_std,
+            # every Adam step would move them by a large fraction of their size.
+            return 1.0
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            # Outputs written into the residual stream shrink with depth, so it does not grow.
+            return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        return cfg.init_std
 
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")

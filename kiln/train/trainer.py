@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpoint import latest_complete, load_checkpoint, save_checkpoint
+from kiln.checkpoint import latest_complete, load_checkpoint, resolve_checkpoint, save_checkpoint
 from kiln.config import JobConfig, to_toml, validate
 from kiln.data.loader import BatchLoader
 from kiln.data.sources import open_training_data
@@ -37,6 +37,8 @@ class Trainer:
         self.dataset = open_training_data(
             cfg.data, seq_len=cfg.train.seq_len, model_vocab_size=cfg.model.vocab_size
         )
+        if cfg.checkpoint.load_path:
+            resolve_checkpoint(cfg.checkpoint.load_path)  # fail before the run dir is created
         self.run_dir = Path(cfg.metrics.run_dir)
         self.checkpoint_dir = (
             Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"

@@ -79,6 +79,10 @@ BAD_INPUTS = {
         "no/such/data",
     ),
     "not a checkpoint": (["generate", ".", "--prompt=hi"], "is not a kiln checkpoint"),
+    "initial weights not a checkpoint": (
+        ["train", DEBUG_CONFIG, "--checkpoint.load_path=."],
+        "is not a kiln checkpoint",
+    ),
 }
 
 

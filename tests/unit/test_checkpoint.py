@@ -8,7 +8,9 @@ from kiln.errors import KilnError
 from kiln.model import build_model, materialize
 from kiln.train.optimizer import build_optimizer
 
-TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_hidden_dim=64, max_seq_len=32)
+TINY = ModelConfig(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_hidden_dim=64, max_seq_len=32
+)
 
 
 def trained(seed=0):
@@ -21,7 +23,13 @@ def trained(seed=0):
 
 def save(root, step, model, optimizer=None, keep=0):
     return save_checkpoint(
-        root, step, model=model, optimizer=optimizer, config=JobConfig(model=TINY), train_state={"samples_seen": step}, keep_last_n=keep
+        root,
+        step,
+        model=model,
+        optimizer=optimizer,
+        config=JobConfig(model=TINY),
+        train_state={"samples_seen": step},
+        keep_last_n=keep,
     )
 
 
@@ -68,6 +76,8 @@ def test_not_a_checkpoint(tmp_path):
 def test_loading_into_a_different_model_says_so(tmp_path):
     model, _ = trained()
     save(tmp_path, 1, model)
-    bigger = materialize(build_model(ModelConfig(**{**TINY.__dict__, "dim": 64})), device="cpu", seed=0)
+    bigger = materialize(
+        build_model(ModelConfig(**{**TINY.__dict__, "dim": 64})), device="cpu", seed=0
+    )
     with pytest.raises(KilnError, match="Does the checkpoint match this model config"):
         load_checkpoint(tmp_path, model=bigger)

@@ -71,6 +71,9 @@ def test_depth_scaled_init():
     assert abs(block.attention.wq.weight.std().item() - 0.02) < 0.002
     assert abs(block.attention.wo.weight.std().item() - 0.02 / (2 * 3) ** 0.5) < 0.001
     assert torch.equal(block.ffn_norm.weight, torch.ones(256))
+    assert abs(model.tok_embeddings.weight.std().item() - 1.0) < 0.05
+    tied = make(ModelConfig(**{**TINY.__dict__, "dim": 256, "tie_embeddings": True}))
+    assert abs(tied.tok_embeddings.weight.std().item() - 0.02) < 0.002
 
 
 def test_causal():
