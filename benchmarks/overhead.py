@@ -5,7 +5,7 @@ same thread count: forward, token cross entropy, backward, gradient clipping, Ad
 The kiln side is `Trainer.train_step` as `kiln train` runs it (memory-mapped data, valid-token
 normalization, LR schedule); the baseline reads a batch already in memory.
 
-    python benchmarks/overhead.py --steps 30 --repeats 7
+    python benchmarks/overhead.py --steps 30 --repeats 7 [--config RECIPE] [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per repeat")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("overrides", nargs="*", help="--section.key=value overrides for both sides")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # the rest: --section.key=value for both sides
+    args.overrides = overrides
 
     run_dir = tempfile.mkdtemp(prefix="kiln-overhead-")
     cfg = load_config(
