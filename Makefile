@@ -16,7 +16,7 @@ install: $(BIN)/.kiln-installed
 demo: install
 	$(BIN)/kiln prepare --demo
 	$(BIN)/kiln train configs/train/demo.toml
-	$(BIN)/kiln generate runs/demo/checkpoints --prompt "def read_config(path):" --max-new-tokens 80
+	$(BIN)/kiln generate runs/demo/checkpoints --prompt "def read_config(path):" --max-new-tokens 80 --temperature 0.7 --top-k 40
 
 test: install lint
 	$(BIN)/python -m pytest -q

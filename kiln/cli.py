@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be read or written: name it, no traceback
+        where = f": {e.filename}" if e.filename else ""
+        print(f"kiln {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"kiln {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -142,7 +146,7 @@ def cmd_check(args) -> int:
     data_ranks = layout["dp_replicate"] * layout["dp_shard"] * layout["ep"]
     global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
     # fp32 weights + grads + two AdamW moments, sharded over every dimension that splits parameters.
-    shards = layout["dp_shard"] * layout["tp"] * layout["pp"] * layout["ep"]
+    shards = layout["dp_shard"] * layout["cp"] * layout["tp"] * layout["pp"]
     print(to_toml(cfg))
     print(f"# world size {args.world_size}: " + " × ".join(f"{k}={v}" for k, v in layout.items()))
     print(f"# parameters: {params.total:,} ({params.non_embedding:,} non-embedding)")
@@ -155,6 +159,10 @@ def cmd_check(args) -> int:
     print(
         f"# weights + grads + optimizer state per rank: {16 * params.total / shards / 2**30:.2f} GiB (before activations)"
     )
+    if args.world_size > 1:
+        print(
+            "# note: this version validates multi-process layouts but `kiln train` runs one process"
+        )
     print("# config OK")
     return 0
 
@@ -164,6 +172,10 @@ def cmd_prepare(args) -> int:
     from kiln.data.prepare import prepare_dataset
 
     if args.demo:
+        if args.input or args.tokenizer:
+            raise KilnError(
+                "--demo builds the built-in corpus with its own tokenizer; drop --input/--tokenizer"
+            )
         path = ensure_demo_corpus(args.output or "data/demo")
         print(f"built-in corpus ready at {path}")
         return 0
@@ -196,7 +208,7 @@ def cmd_generate(args) -> int:
         read_model_config,
         resolve_checkpoint,
     )
-    from kiln.data.tokenizer import load_tokenizer
+    from kiln.data.tokenizer import find_eos_id, load_tokenizer
     from kiln.model import build_model, materialize
     from kiln.model.generate import generate
     from kiln.train.trainer import pick_device
@@ -213,7 +225,7 @@ def cmd_generate(args) -> int:
     load_checkpoint(path, model=model)
     model.eval()
     prompt_ids = tokenizer.encode(args.prompt).ids
-    eos = tokenizer.token_to_id("<|eos|>")
+    eos = find_eos_id(tokenizer)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         new = generate(
             model,

@@ -78,10 +78,10 @@ def save_checkpoint(
         (partial / "train_state.json").write_text(
             json.dumps({"step": step, **train_state}, indent=2) + "\n"
         )
-        if tokenizer_path is not None and not (root / "tokenizer.json").exists():
-            shutil.copyfile(tokenizer_path, root / "tokenizer.json")
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, partial / "tokenizer.json")
         final = layout.commit(root, step)
-        layout.prune(root, keep_last_n)
+        layout.prune(root, keep_last_n, keep=final)
     _barrier()
     return final
 
@@ -118,7 +118,14 @@ def load_checkpoint(
 
 def read_train_state(path: Path) -> dict[str, Any]:
     file = Path(path) / "train_state.json"
-    return json.loads(file.read_text()) if file.is_file() else {"step": 0}
+    if not file.is_file():
+        return {"step": 0}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError:
+        raise KilnError(
+            f"{file} is corrupt; resume from an earlier checkpoint or delete {path}"
+        ) from None
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -141,7 +148,7 @@ def _single_process_quiet():
 
 def _first_line(error: BaseException) -> str:
     if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))  # the per-rank cause, not the wrapper
+        error = next(iter(error.failures.values()))[0]  # the per-rank cause, not the wrapper
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 

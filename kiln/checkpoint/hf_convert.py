@@ -2,12 +2,14 @@
 
 Deliberately free of `transformers` (an optional extra): configs are read and written as JSON and
 weights through safetensors, one tensor at a time, so converting a large model never holds two
-copies of it in memory.
+copies of it in memory (an export to another dtype holds the converted copy).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from safetensors.torch import save_file
 from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, save_checkpoint
 from kiln.checkpoint.layout import find_tokenizer, resolve_checkpoint
 from kiln.config import JobConfig, ModelConfig
+from kiln.data.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer, build_model, materialize
 
@@ -34,11 +37,6 @@ _LAYER_NAMES = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
-
-# Special tokens looked up in a tokenizer to fill bos/eos ids: kiln's own, then Llama 3,
-# GPT-2 and Llama 2 / Mistral names.
-_BOS_CANDIDATES = ("<|bos|>", "<|begin_of_text|>", "<s>")
-_EOS_CANDIDATES = ("<|eos|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,12 +101,20 @@ def kiln_to_hf(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "float32")
 
     tokenizer = find_tokenizer(step_dir)
     special = _special_tokens(tokenizer) if tokenizer is not None else {}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    _write_json(out_dir / "config.json", hf_config_from_model(cfg, dtype, special))
-    if tokenizer is not None:
-        (out_dir / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-        _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(cfg, special))
+    # Written beside out_dir and renamed into place, so an interrupted export leaves nothing behind.
+    partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    partial.mkdir(parents=True)
+    try:
+        save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+        _write_json(partial / "config.json", hf_config_from_model(cfg, dtype, special))
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, partial / "tokenizer.json")
+            _write_json(partial / "tokenizer_config.json", _tokenizer_config(cfg, special))
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.rename(partial, out_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return out_dir
 
 
@@ -299,7 +305,7 @@ def _special_tokens(tokenizer: Path) -> dict[str, tuple[str, int]]:
     if isinstance(vocab, dict):
         ids = {**vocab, **ids}
     found = {}
-    for role, candidates in (("bos", _BOS_CANDIDATES), ("eos", _EOS_CANDIDATES)):
+    for role, candidates in (("bos", BOS_CANDIDATES), ("eos", EOS_CANDIDATES)):
         token = next((name for name in candidates if name in ids), None)
         if token is not None:
             found[role] = (token, ids[token])

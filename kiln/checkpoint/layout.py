@@ -51,6 +51,12 @@ def complete_steps(root: Path) -> list[tuple[int, Path]]:
 
 
 def latest_complete(root: Path) -> Path | None:
+    """The folder `latest` names if it is complete, else the highest complete step."""
+    pointer = Path(root) / LATEST
+    if pointer.is_file():
+        named = Path(root) / pointer.read_text().strip()
+        if _STEP_RE.match(named.name) and is_complete(named):
+            return named
     steps = complete_steps(root)
     return steps[-1][1] if steps else None
 
@@ -68,12 +74,14 @@ def commit(root: Path, step: int) -> Path:
     return final
 
 
-def prune(root: Path, keep_last_n: int) -> None:
-    """Delete all but the newest `keep_last_n` complete checkpoints (0 keeps everything)."""
+def prune(root: Path, keep_last_n: int, *, keep: Path) -> None:
+    """Delete all but the newest `keep_last_n` complete checkpoints (0 keeps everything);
+    `keep`, the one just written, always stays."""
     if keep_last_n <= 0:
         return
     for _, path in complete_steps(root)[:-keep_last_n]:
-        shutil.rmtree(path, ignore_errors=True)
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_partials(root: Path) -> None:

@@ -83,11 +83,20 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None:
     (section, key), value = parse_override(item)
+    if _field_type(section, key) is str and not isinstance(value, str):
+        value = item.split("=", 1)[1]  # `--metrics.run_dir=2024-01-01` is a name, not a date
     table = raw.setdefault(section, {})
     if not isinstance(table, dict):
         problems.append(f"[{section}] is not a table, cannot override {section}.{key}")
         return
     table[key] = value
+
+
+def _field_type(section: str, key: str) -> Any:
+    sections = typing.get_type_hints(JobConfig)
+    if section not in sections or not dataclasses.is_dataclass(sections[section]):
+        return None
+    return typing.get_type_hints(sections[section]).get(key)
 
 
 def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:

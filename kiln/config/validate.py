@@ -107,6 +107,11 @@ def _train_problems(cfg: JobConfig) -> list[str]:
         p.append(
             "scheduler.name = 'none' keeps the learning rate fixed and has no warmup; use 'constant' for warmup then constant"
         )
+    if s.name == "wsd" and s.warmup_steps > t.max_steps * (1 - s.decay_ratio):
+        p.append(
+            f"scheduler.warmup_steps ({s.warmup_steps}) runs into the wsd decay phase (the last "
+            f"{s.decay_ratio:g} of {t.max_steps} steps); shorten the warmup or lower decay_ratio"
+        )
     if not 0 <= s.min_lr_ratio <= 1:
         p.append(f"scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
     if not 0 < s.decay_ratio <= 1:
@@ -116,6 +121,10 @@ def _train_problems(cfg: JobConfig) -> list[str]:
     c = cfg.checkpoint
     if c.interval < 0 or c.keep_last_n < 0:
         p.append("checkpoint.interval and checkpoint.keep_last_n must be >= 0 (0 disables)")
+    if cfg.metrics.plot and not cfg.metrics.jsonl:
+        p.append(
+            "metrics.plot = true draws from metrics.jsonl: set metrics.jsonl = true or plot = false"
+        )
     if cfg.metrics.log_interval <= 0:
         p.append(f"metrics.log_interval must be positive, got {cfg.metrics.log_interval}")
     return p

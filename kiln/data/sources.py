@@ -12,6 +12,10 @@ from kiln.errors import ConfigError
 
 
 def open_training_data(cfg: DataConfig, *, seq_len: int, model_vocab_size: int) -> TokenDataset:
+    if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
+        raise ConfigError(
+            f"data.tokenizer: {cfg.tokenizer} not found; point it at a tokenizer.json or leave it empty"
+        )
     path = Path(cfg.path)
     if cfg.source == "demo":
         ensure_demo_corpus(path)

@@ -110,7 +110,10 @@ def _fill_normal(param: torch.Tensor, *, std: float, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
     if isinstance(param, DTensor):
-        local = distribute_tensor(full, param.device_mesh, param.placements).to_local()
+        # Every rank drew the same full tensor, so each slices its own part: no communication.
+        local = distribute_tensor(
+            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
         param.to_local().copy_(local)
     else:
         param.copy_(full)

@@ -17,7 +17,8 @@ def token_loss_sum(
     loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     if z_loss_weight > 0:
         valid = labels != IGNORE_INDEX
-        loss = loss + z_loss_weight * (torch.logsumexp(logits[valid], dim=-1) ** 2).sum()
+        z = torch.logsumexp(logits, dim=-1)
+        loss = loss + z_loss_weight * (z.square() * valid).sum()
     return loss
 
 

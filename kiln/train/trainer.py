@@ -4,6 +4,7 @@ optimizer, schedule, data → loop (fetch, forward/backward per micro-batch, cli
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import time
 from pathlib import Path
@@ -33,18 +34,13 @@ class Trainer:
                 "multi-process training arrives with the distributed core; run one process for now"
             )
         self.cfg = cfg
+        self.run_dir = Path(cfg.metrics.run_dir)
+        self.checkpoint_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        self._check_checkpoint_sources()  # before anything is built or written
         self.device = pick_device(cfg.train.device)
         self.dataset = open_training_data(
             cfg.data, seq_len=cfg.train.seq_len, model_vocab_size=cfg.model.vocab_size
         )
-        if cfg.checkpoint.load_path:
-            resolve_checkpoint(cfg.checkpoint.load_path)  # fail before the run dir is created
-        self.run_dir = Path(cfg.metrics.run_dir)
-        self.checkpoint_dir = (
-            Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
 
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model)
@@ -60,6 +56,9 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._resume()
+        # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.run_dir / "config.toml", to_toml(cfg))
         self.autocast = self._autocast_context()
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(self.device)
@@ -88,7 +87,9 @@ class Trainer:
                 records.append(record)
                 window = _Window()
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                started = time.perf_counter()
                 self.save()
+                window.start += time.perf_counter() - started  # saving is not training time
         if cfg.checkpoint.save_final and latest_step(self.checkpoint_dir) != self.step:
             self.save()
         self._summarize()
@@ -116,7 +117,8 @@ class Trainer:
         micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in self.loader.next_step()]
         # Normalize by the valid tokens of the whole optimizer step, counted before any backward,
         # so every grad-accumulation split computes the gradient of the same loss.
-        valid = sum(count_valid(labels) for _, labels in micro_batches)
+        # clamp: a step whose tokens are all masked contributes zero, not NaN.
+        valid = sum(count_valid(labels) for _, labels in micro_batches).clamp(min=1)
         total = torch.zeros((), device=self.device)
         for inputs, labels in micro_batches:
             with self.autocast:
@@ -149,6 +151,18 @@ class Trainer:
             tokenizer_path=self.dataset.tokenizer_path,
             keep_last_n=self.cfg.checkpoint.keep_last_n,
         )
+
+    def _check_checkpoint_sources(self) -> None:
+        if self.cfg.checkpoint.load_path:
+            resolve_checkpoint(self.cfg.checkpoint.load_path)
+        if (
+            self.cfg.checkpoint.resume == "never"
+            and latest_complete(self.checkpoint_dir) is not None
+        ):
+            raise ConfigError(
+                f"checkpoint.resume = 'never' but {self.checkpoint_dir} already holds checkpoints of "
+                "another run; choose a new metrics.run_dir (or checkpoint.dir), or delete that folder"
+            )
 
     def _resume(self) -> None:
         newest = (
@@ -214,6 +228,12 @@ class _Window:
 
     def tokens_per_sec(self) -> float:
         return self.tokens / (time.perf_counter() - self.start)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def latest_step(checkpoint_dir: Path) -> int | None:

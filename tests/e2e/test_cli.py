@@ -78,6 +78,14 @@ BAD_INPUTS = {
         ["train", DEBUG_CONFIG, "--data.source=prepared", "--data.path=no/such/data"],
         "no/such/data",
     ),
+    "missing tokenizer": (
+        ["train", DEBUG_CONFIG, "--data.tokenizer=no/tokenizer.json"],
+        "data.tokenizer: no/tokenizer.json not found",
+    ),
+    "run dir is a file": (
+        ["train", DEBUG_CONFIG, "--metrics.run_dir=README", "--train.max_steps=6"],
+        "README",
+    ),
     "not a checkpoint": (["generate", ".", "--prompt=hi"], "is not a kiln checkpoint"),
     "initial weights not a checkpoint": (
         ["train", DEBUG_CONFIG, "--checkpoint.load_path=."],
@@ -87,10 +95,13 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
-def test_bad_input_gives_one_clear_error(case, tmp_path):
+def test_bad_input_gives_one_clear_error(case, tmp_path, demo_data):
     args, expected = BAD_INPUTS[case]
+    if args[0] == "train":  # the session corpus, unless the case names other data
+        args = [*args[:2], f"--data.path={demo_data}", *args[2:]]
     if callable(args[0]):
         args = ["check", args[0](tmp_path), *args[1:]]
+    (tmp_path / "README").write_text("a file where a directory is expected")
     result = kiln(*args, cwd=tmp_path, check=False)
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr

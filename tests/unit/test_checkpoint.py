@@ -79,5 +79,16 @@ def test_loading_into_a_different_model_says_so(tmp_path):
     bigger = materialize(
         build_model(ModelConfig(**{**TINY.__dict__, "dim": 64})), device="cpu", seed=0
     )
-    with pytest.raises(KilnError, match="Does the checkpoint match this model config"):
+    with pytest.raises(KilnError, match="Does the checkpoint match this model config") as info:
         load_checkpoint(tmp_path, model=bigger)
+    assert "Size mismatch" in str(info.value) and "FrameSummary" not in str(info.value)
+
+
+def test_latest_names_the_newest_write_not_the_highest_step(tmp_path):
+    model, _ = trained()
+    save(tmp_path, 100, model)
+    save(tmp_path, 10, model, keep=1)
+    assert latest_complete(tmp_path).name == "step_00000010"
+    assert (
+        tmp_path / "step_00000010" / "COMPLETE"
+    ).is_file()  # retention never deletes the new one

@@ -48,6 +48,8 @@ def test_cli_overrides_are_toml_literals():
     assert parse_override("--train.compile=true") == (["train", "compile"], True)
     assert parse_override("--optimizer.betas=[0.9, 0.99]") == (["optimizer", "betas"], [0.9, 0.99])
     assert parse_override("--data.path=data/my corpus") == (["data", "path"], "data/my corpus")
+    cfg = load_config(DEBUG_CONFIG, ["--metrics.run_dir=2024-01-01", "--data.path=1234"])
+    assert (cfg.metrics.run_dir, cfg.data.path) == ("2024-01-01", "1234")  # text keys keep the text
     cfg = load_config(DEBUG_CONFIG, ["--train.max_steps=7", "--optimizer.lr=1"])
     assert (
         cfg.train.max_steps == 7 and cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)

@@ -118,7 +118,7 @@ def test_hf_to_kiln_logits_match(hf_model, kiln_ckpt):
         expected = hf_model(tokens).logits
         got = _load_kiln(kiln_ckpt)(tokens)
     assert _max_diff(got, expected) <= TOLERANCE
-    assert (kiln_ckpt.parent / "tokenizer.json").is_file()
+    assert (kiln_ckpt / "tokenizer.json").is_file()
 
 
 def test_hf_to_kiln_maps_config(kiln_ckpt):

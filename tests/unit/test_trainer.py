@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kiln.config import load_config
+from kiln.errors import ConfigError
 from kiln.train.trainer import Trainer
 from tests.conftest import DEBUG_CONFIG
 
@@ -64,6 +65,12 @@ def test_resume_is_bitwise_identical(debug_overrides, tmp_path):
     assert resumed == expected[3:]
 
 
+def test_resume_never_refuses_a_folder_with_checkpoints(debug_overrides):
+    make_trainer(debug_overrides, "--train.max_steps=6").train()
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        make_trainer(debug_overrides, "--train.max_steps=6", "--checkpoint.resume=never")
+
+
 def test_metrics_jsonl_and_plot(debug_overrides, tmp_path):
     trainer = make_trainer(debug_overrides, "--train.max_steps=6", "--metrics.log_interval=2")
     trainer.train()
@@ -95,3 +102,14 @@ def test_loss_falls_on_the_demo_corpus(debug_overrides):
         last = trainer.train_step()[0].item()
     assert last < 0.85 * first
     assert torch.isfinite(torch.tensor(last))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_step_reports_mfu_and_memory(debug_overrides):
+    trainer = make_trainer(debug_overrides, "--train.max_steps=3", "--train.device=cuda")
+    record = trainer.train()[-1]
+    assert record["peak_mem_gb"] > 0
+    assert (
+        record["mfu"] is None or 0 < record["mfu"] < 1
+    )  # None on a GPU missing from the peak table
