@@ -127,12 +127,19 @@ def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 
 def cmd_train(args) -> int:
+    import torch.distributed as dist
+
     from kiln.config import load_config
     from kiln.train.trainer import Trainer
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = load_config(args.config, args.overrides, world_size=world_size)
-    Trainer(cfg, world_size=world_size).train()
+    cfg = load_config(
+        args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    try:
+        Trainer(cfg).train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

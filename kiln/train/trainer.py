@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from kiln.checkpoint import latest_complete, load_checkpoint, resolve_checkpoint, save_checkpoint
 from kiln.config import JobConfig, to_toml, validate
@@ -21,30 +22,39 @@ from kiln.metrics.mfu import mfu, peak_flops
 from kiln.metrics.plot import plot_loss_curve
 from kiln.model import build_model, flops_per_token, materialize
 from kiln.parallel.apply import apply_parallelism
+from kiln.parallel.fsdp import gradient_average_compensation
+from kiln.parallel.mesh import init_parallel
+from kiln.train.grad_norm import clip_grad_norm
 from kiln.train.loss import count_valid, token_loss_sum
 from kiln.train.optimizer import build_optimizer
 from kiln.train.schedule import lr_factor
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, *, world_size: int = 1):
-        validate(cfg, world_size)
-        if world_size != 1:
+    def __init__(self, cfg: JobConfig, *, world_size: int | None = None):
+        validate(cfg, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+        unsupported = [
+            f"{d}={getattr(cfg.distributed, d)}"
+            for d in ("tp", "pp", "cp", "ep")
+            if getattr(cfg.distributed, d) > 1
+        ]
+        if unsupported:
             raise ConfigError(
-                "multi-process training arrives with the distributed core; run one process for now"
+                f"distributed {', '.join(unsupported)}: this version trains data-parallel layouts only "
+                "(dp_shard, dp_replicate); set these to 1"
             )
         self.cfg = cfg
         self.run_dir = Path(cfg.metrics.run_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self._check_checkpoint_sources()  # before anything is built or written
-        self.device = pick_device(cfg.train.device)
-        self.dataset = open_training_data(
-            cfg.data, seq_len=cfg.train.seq_len, model_vocab_size=cfg.model.vocab_size
-        )
+        self.parallel = init_parallel(cfg.distributed, pick_device(cfg.train.device))
+        self.device = self.parallel.device
+        self.dataset = self._open_data()
+        self.grad_scale = gradient_average_compensation(self.parallel.fsdp_mesh())
 
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model)
-        apply_parallelism(self.model, cfg)
+        apply_parallelism(self.model, cfg, self.parallel)
         materialize(self.model, device=self.device, seed=cfg.train.seed)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.loader = BatchLoader(
@@ -52,13 +62,16 @@ class Trainer:
             seed=cfg.train.seed,
             batch_size=cfg.train.batch_size,
             grad_accum_steps=cfg.train.grad_accum_steps,
+            data_ranks=self.parallel.data_ranks,
+            data_rank=self.parallel.data_rank,
         )
         self.step = 0
         self.tokens_seen = 0
         self._resume()
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.run_dir / "config.toml", to_toml(cfg))
+        if self.parallel.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.run_dir / "config.toml", to_toml(cfg))
         self.autocast = self._autocast_context()
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(self.device)
@@ -66,11 +79,12 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run to train.max_steps; return the logged records."""
         cfg = self.cfg
+        main = self.parallel.is_main
         logger = MetricsLogger(
             self.run_dir,
             max_steps=cfg.train.max_steps,
             start_step=self.step,
-            jsonl=cfg.metrics.jsonl,
+            jsonl=cfg.metrics.jsonl and main,
         )
         records, window = [], _Window()
         while self.step < cfg.train.max_steps:
@@ -83,7 +97,8 @@ class Trainer:
                 record = self._record(
                     loss.item(), loss_avg, grad_norm.item(), lr, window.tokens_per_sec()
                 )
-                logger.log(record)
+                if main:
+                    logger.log(record)
                 records.append(record)
                 window = _Window()
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
@@ -92,7 +107,8 @@ class Trainer:
                 window.start += time.perf_counter() - started  # saving is not training time
         if cfg.checkpoint.save_final and latest_step(self.checkpoint_dir) != self.step:
             self.save()
-        self._summarize()
+        if main:
+            self._summarize()
         return records
 
     def _summarize(self) -> None:
@@ -118,16 +134,16 @@ class Trainer:
         # Normalize by the valid tokens of the whole optimizer step, counted before any backward,
         # so every grad-accumulation split computes the gradient of the same loss.
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
-        valid = sum(count_valid(labels) for _, labels in micro_batches).clamp(min=1)
+        valid = self._sum_over_data_ranks(sum(count_valid(labels) for _, labels in micro_batches))
+        valid = valid.clamp(min=1)
         total = torch.zeros((), device=self.device)
         for inputs, labels in micro_batches:
             with self.autocast:
                 logits = self.model(inputs)
             loss_sum = token_loss_sum(logits, labels, z_loss_weight=self.cfg.train.z_loss_weight)
-            (loss_sum / valid).backward()
+            (loss_sum * self.grad_scale / valid).backward()
             total += loss_sum.detach()
-        max_norm = self.cfg.train.grad_clip_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip_norm)
         lr = self.cfg.optimizer.lr * lr_factor(
             self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps
         )
@@ -136,9 +152,34 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        tokens = sum(inputs.numel() for inputs, _ in micro_batches)
+        tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         self.tokens_seen += tokens
-        return total / valid, grad_norm, lr, tokens
+        return self._sum_over_data_ranks(total) / valid, grad_norm, lr, tokens
+
+    def _sum_over_data_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        group = self.parallel.data_group()
+        if group is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=group)
+        return value
+
+    def _open_data(self):
+        # One rank builds the built-in corpus if it is missing; the others wait, then read it.
+        if self.parallel.is_main or self.parallel.world_size == 1:
+            dataset = open_training_data(
+                self.cfg.data,
+                seq_len=self.cfg.train.seq_len,
+                model_vocab_size=self.cfg.model.vocab_size,
+            )
+        if self.parallel.world_size > 1:
+            dist.barrier()
+        if not self.parallel.is_main:
+            dataset = open_training_data(
+                self.cfg.data,
+                seq_len=self.cfg.train.seq_len,
+                model_vocab_size=self.cfg.model.vocab_size,
+            )
+        return dataset
 
     def save(self) -> Path:
         return save_checkpoint(
@@ -174,15 +215,17 @@ class Trainer:
             )
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.loader.load_state_dict(state)
-            print(f"kiln: resumed from {newest} (step {self.step})", flush=True)
+            if self.parallel.is_main:
+                print(f"kiln: resumed from {newest} (step {self.step})", flush=True)
         elif self.cfg.checkpoint.load_path:
             load_checkpoint(self.cfg.checkpoint.load_path, model=self.model)
-            print(f"kiln: initial weights from {self.cfg.checkpoint.load_path}", flush=True)
+            if self.parallel.is_main:
+                print(f"kiln: initial weights from {self.cfg.checkpoint.load_path}", flush=True)
 
     def _autocast_context(self):
         if self.cfg.train.mixed_precision == "bf16" and self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
-        if self.cfg.train.mixed_precision == "bf16":
+        if self.cfg.train.mixed_precision == "bf16" and self.parallel.is_main:
             warn("mixed_precision = 'bf16' applies on GPU; training in fp32 on CPU")
         return contextlib.nullcontext()
 
@@ -206,6 +249,7 @@ class Trainer:
                 flops_per_token=self.flops_per_token,
                 tokens_per_sec=tokens_per_sec,
                 peak=self.peak_flops,
+                num_devices=self.parallel.world_size,
             ),
             "peak_mem_gb": peak_mem,
             "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,

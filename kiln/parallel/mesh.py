@@ -1,0 +1,95 @@
+"""Process group and DeviceMesh from [distributed]: dims `pp, dp_replicate, dp_shard, ep, cp, tp`.
+
+tp is innermost so that, with ranks numbered node by node, a tensor-parallel group stays
+inside one node.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from kiln.config.sections import DistributedConfig
+from kiln.config.validate import resolve_layout
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+
+
+@dataclass
+class ParallelContext:
+    """Where this process sits in the job. A single process has no mesh and no process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    degrees: dict[str, int]
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different samples (tp/cp/pp ranks of one replica read the same ones)."""
+        return self.degrees["dp_replicate"] * self.degrees["dp_shard"] * self.degrees["ep"]
+
+    @property
+    def data_rank(self) -> int:
+        if self.mesh is None:
+            return 0
+        coords = {
+            name: self.mesh.get_local_rank(name) for name in ("dp_replicate", "dp_shard", "ep")
+        }
+        return (
+            coords["dp_replicate"] * self.degrees["dp_shard"] + coords["dp_shard"]
+        ) * self.degrees["ep"] + coords["ep"]
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """1-D mesh over dp_shard for FSDP, 2-D (dp_replicate, dp_shard) for HSDP, None if unsharded."""
+        if self.mesh is None or self.degrees["dp_shard"] * self.degrees["dp_replicate"] == 1:
+            return None
+        if self.degrees["dp_replicate"] == 1:
+            return self.mesh["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard"]
+
+    def data_group(self) -> dist.ProcessGroup | None:
+        """Group over which per-rank token counts and losses are summed."""
+        fsdp_mesh = self.fsdp_mesh()
+        if fsdp_mesh is None:
+            return None
+        return (
+            fsdp_mesh.get_group() if fsdp_mesh.ndim == 1 else fsdp_mesh._flatten("dp").get_group()
+        )
+
+
+def init_parallel(
+    dist_cfg: DistributedConfig, device: torch.device, *, timeout_s: float = 600
+) -> ParallelContext:
+    """Join the job torchrun started (WORLD_SIZE, RANK, LOCAL_RANK) and build the mesh.
+
+    gloo on CPU, NCCL on GPU; one process skips the process group entirely.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    degrees = resolve_layout(dist_cfg, world_size)
+    if world_size == 1:
+        return ParallelContext(rank=0, world_size=1, device=device, degrees=degrees)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    mesh = init_device_mesh(
+        device.type, tuple(degrees[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
+    )
+    return ParallelContext(
+        rank=dist.get_rank(), world_size=world_size, device=device, degrees=degrees, mesh=mesh
+    )
