@@ -111,3 +111,50 @@ def test_checkpoint_from_one_layout_resumes_in_another(reference, tmp_path, demo
     resumed = train(tmp_path, "run", demo_data, 1, f"--train.batch_size={GLOBAL_BATCH}")
     assert resumed == sharded
     assert_parity(records(resumed), reference, steps=range(6, STEPS + 1))
+
+
+def test_two_node_job_on_one_machine(reference, tmp_path, demo_data):
+    """Two torchrun agents (`--nnodes 2`) rendezvous on 127.0.0.1 and train as one job."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    args = [
+        DEBUG_CONFIG,
+        f"--data.path={demo_data}",
+        f"--metrics.run_dir={run_dir}",
+        f"--train.max_steps={STEPS}",
+        "--metrics.log_interval=1",
+        "--train.grad_clip_norm=0.5",
+        "--checkpoint.interval=0",
+        "--train.batch_size=4",
+    ]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=kiln-two-nodes",
+                "-m",
+                "kiln",
+                "train",
+                *map(str, args),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+        )
+        for node in (0, 1)
+    ]
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(o[-3000:] for o in outputs)
+    assert_parity(records(run_dir), reference)
