@@ -1,0 +1,74 @@
+"""Weak scaling of data-parallel training on CPU (gloo): the same per-rank batch on 1, 2, 4 ranks.
+
+A sanity figure for the FSDP path, not a performance claim: on a 2-core machine, 4 ranks
+oversubscribe the cores. Each run trains the debug recipe for --steps steps with one thread
+per rank; the step time is the median over the steps after the first log window.
+
+    python benchmarks/dp_weak_scaling.py --ranks 1 2 4 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run(ranks: int, steps: int, batch_size: int, data: str, run_dir: Path) -> list[dict]:
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        if ranks > 1
+        else []
+    )
+    command = [
+        sys.executable,
+        *launcher,
+        "-m",
+        "kiln",
+        "train",
+        "configs/train/debug.toml",
+        f"--data.path={data}",
+        f"--metrics.run_dir={run_dir}",
+        f"--train.max_steps={steps}",
+        f"--train.batch_size={batch_size}",
+        "--metrics.log_interval=5",
+        "--checkpoint.interval=0",
+        "--checkpoint.save_final=false",
+        "--metrics.plot=false",
+    ]
+    subprocess.run(
+        command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--data", default="data/demo")
+    args = parser.parse_args()
+
+    print("| ranks | global batch (seq) | median step (ms) | tok/s (all ranks) | tok/s per rank |")
+    print("|---|---|---|---|---|")
+    for ranks in args.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            records = run(ranks, args.steps, args.batch_size, args.data, Path(tmp) / "run")
+        steady = [r for r in records if r["step"] > 5]  # the first window includes start-up
+        tok_s = statistics.median(r["tokens_per_sec"] for r in steady)
+        tokens_per_step = args.batch_size * ranks * 128
+        print(
+            f"| {ranks} | {args.batch_size * ranks} | {1e3 * tokens_per_step / tok_s:.1f} | {tok_s:,.0f} | {tok_s / ranks:,.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
