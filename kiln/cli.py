@@ -145,6 +145,7 @@ def cmd_train(args) -> int:
 
 def cmd_check(args) -> int:
     from kiln.config import load_config, resolve_layout, to_toml
+    from kiln.metrics.memory import estimate_memory
     from kiln.model import count_params, flops_per_token
 
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
@@ -152,10 +153,10 @@ def cmd_check(args) -> int:
     params = count_params(cfg.model)
     data_ranks = layout["dp_replicate"] * layout["dp_shard"] * layout["ep"]
     global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
-    # fp32 weights + grads + two AdamW moments, sharded over every dimension that splits parameters.
-    shards = layout["dp_shard"] * layout["cp"] * layout["tp"] * layout["pp"]
+    memory = estimate_memory(cfg, layout)
     print(to_toml(cfg))
     print(f"# world size {args.world_size}: " + " × ".join(f"{k}={v}" for k, v in layout.items()))
+    print(f"# data-parallel ranks: {data_ranks}")
     print(f"# parameters: {params.total:,} ({params.non_embedding:,} non-embedding)")
     print(
         f"# FLOPs per token (fwd+bwd, seq_len {cfg.train.seq_len}): {flops_per_token(cfg.model, cfg.train.seq_len):.4g}"
@@ -164,11 +165,14 @@ def cmd_check(args) -> int:
         f"# global batch: {global_batch} sequences = {global_batch * cfg.train.seq_len:,} tokens per step"
     )
     print(
-        f"# weights + grads + optimizer state per rank: {16 * params.total / shards / 2**30:.2f} GiB (before activations)"
+        f"# memory per GPU (estimate): {memory.total / 2**30:.1f} GiB = model state {memory.model_state / 2**30:.1f} GiB"
+        f" (fp32 weights, grads, AdamW) + activations {memory.activations / 2**30:.1f} GiB"
+        f" (activation_checkpointing = {cfg.train.activation_checkpointing!r})"
     )
-    if args.world_size > 1:
+    unsupported = [d for d in ("tp", "pp", "cp", "ep") if layout[d] > 1]
+    if unsupported:
         print(
-            "# note: this version validates multi-process layouts but `kiln train` runs one process"
+            f"# note: {', '.join(unsupported)} > 1 is validated here, but this version of `kiln train` trains dp_shard/dp_replicate layouts only"
         )
     print("# config OK")
     return 0
