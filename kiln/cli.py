@@ -76,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.set_defaults(run=cmd_prepare)
 
+    verify = sub.add_parser(
+        "verify",
+        help="prove a layout matches one process, step by step, on a small proxy of the model",
+        epilog=OVERRIDE_HELP,
+    )
+    verify.add_argument("config", help="path to a TOML recipe")
+    verify.add_argument(
+        "--world-size", type=int, help="processes for the layout (default: the layout's product)"
+    )
+    verify.add_argument("--steps", type=int, default=5)
+    verify.add_argument(
+        "--data", default="data/demo", help="built-in corpus location (built if missing)"
+    )
+    verify.set_defaults(run=cmd_verify, accepts_overrides=True)
+
     generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
     generate.add_argument(
         "checkpoint", help="a checkpoint directory (its newest step) or a step_XXXXXXXX folder"
@@ -176,6 +191,28 @@ def cmd_check(args) -> int:
         )
     print("# config OK")
     return 0
+
+
+def cmd_verify(args) -> int:
+    import math
+
+    from kiln.config import load_config, read_toml
+    from kiln.config.validate import LAYOUT_DIMS
+    from kiln.parallel.verify import verify
+
+    world_size = args.world_size
+    if world_size is None:
+        degrees = {d: read_toml(args.config).get("distributed", {}).get(d, 1) for d in LAYOUT_DIMS}
+        for item in args.overrides:
+            section, _, rest = item.lstrip("-").partition(".")
+            key, _, value = rest.partition("=")
+            if section == "distributed" and key in degrees:
+                degrees[key] = int(value)
+        if degrees["dp_shard"] == -1:
+            raise KilnError("dp_shard = -1 fills the world size: pass --world-size N")
+        world_size = math.prod(degrees.values())
+    cfg = load_config(args.config, args.overrides, world_size=world_size)
+    return 0 if verify(cfg, world_size, steps=args.steps, data_path=args.data) else 1
 
 
 def cmd_prepare(args) -> int:

@@ -74,6 +74,7 @@ class DistributedConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    grad_reduce: str = "per_micro_batch"
 
 
 @dataclass

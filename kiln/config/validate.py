@@ -16,6 +16,7 @@ CHOICES = {
     "scheduler.name": ("cosine", "linear", "wsd", "constant", "rex", "none"),
     "data.source": ("demo", "prepared"),
     "checkpoint.resume": ("auto", "never"),
+    "distributed.grad_reduce": ("per_micro_batch", "per_step"),
 }
 LAYOUT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 

@@ -7,10 +7,16 @@ A 2-D mesh (dp_replicate, dp_shard) gives HSDP: shard within a replica, all-redu
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+# Test-only: leave FSDP's gradient average in place, the classic silent mistake (a loss curve that
+# looks fine, gradients divided by the data-parallel size). The parity tests must catch it.
+BREAK_GRADIENT_SUM_FOR_TESTS = "KILN_TEST_AVERAGE_GRADIENTS"
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> None:
@@ -33,4 +39,6 @@ def gradient_average_compensation(mesh: DeviceMesh | None) -> int:
     """FSDP averages gradients over its ranks; the loss is already divided by the global token
     count, so gradients must be summed (DESIGN §4). Scaling the loss by the rank count undoes the
     average on every backend (gloo has no PREMUL_SUM for `set_gradient_divide_factor`)."""
-    return 1 if mesh is None else mesh.size()
+    if mesh is None or os.environ.get(BREAK_GRADIENT_SUM_FOR_TESTS) == "1":
+        return 1
+    return mesh.size()

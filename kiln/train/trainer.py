@@ -51,6 +51,10 @@ class Trainer:
         self.device = self.parallel.device
         self.dataset = self._open_data()
         self.grad_scale = gradient_average_compensation(self.parallel.fsdp_mesh())
+        # per_step: gradients of all micro-batches accumulate unsharded and are reduced once.
+        self.defer_grad_reduce = (
+            self.parallel.fsdp_mesh() is not None and cfg.distributed.grad_reduce == "per_step"
+        )
 
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model)
@@ -137,7 +141,9 @@ class Trainer:
         valid = self._sum_over_data_ranks(sum(count_valid(labels) for _, labels in micro_batches))
         valid = valid.clamp(min=1)
         total = torch.zeros((), device=self.device)
-        for inputs, labels in micro_batches:
+        for index, (inputs, labels) in enumerate(micro_batches):
+            if self.defer_grad_reduce:
+                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             with self.autocast:
                 logits = self.model(inputs)
             loss_sum = token_loss_sum(logits, labels, z_loss_weight=self.cfg.train.z_loss_weight)

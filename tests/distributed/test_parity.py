@@ -93,6 +93,14 @@ LAYOUTS = {
     "dp=4/accum=1": (4, ["--train.batch_size=2", "--train.grad_accum_steps=1"]),
     "dp=2/accum=2": (2, ["--train.batch_size=2", "--train.grad_accum_steps=2"]),
     "dp=1/accum=4": (1, ["--train.batch_size=2", "--train.grad_accum_steps=4"]),
+    "dp=2/accum=2, one reduce per step": (
+        2,
+        [
+            "--train.batch_size=2",
+            "--train.grad_accum_steps=2",
+            "--distributed.grad_reduce=per_step",
+        ],
+    ),
 }
 
 

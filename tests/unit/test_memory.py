@@ -6,13 +6,19 @@ ONE = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
 
 
 def job(ac: str) -> JobConfig:
-    cfg = JobConfig(model=ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=1000, ffn_hidden_dim=1024))
+    cfg = JobConfig(
+        model=ModelConfig(
+            dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=1000, ffn_hidden_dim=1024
+        )
+    )
     cfg.train.seq_len, cfg.train.batch_size, cfg.train.activation_checkpointing = 1024, 2, ac
     return cfg
 
 
 def test_activation_checkpointing_trades_memory_in_order():
-    none, selective, full = (estimate_memory(job(ac), ONE).activations for ac in ("none", "selective", "full"))
+    none, selective, full = (
+        estimate_memory(job(ac), ONE).activations for ac in ("none", "selective", "full")
+    )
     assert full < selective < none
     tokens, dim = 2048, 512
     logits = 8 * tokens * 1000

@@ -1,0 +1,125 @@
+"""`kiln verify`: prove a layout computes what one process computes, on a small proxy of the model.
+
+The proxy keeps everything a layout's rules depend on (head and KV-head counts, the layout,
+activation checkpointing, compile, gradient accumulation) and shrinks the rest (two layers per
+pipeline stage, head dim 16, sequence 64, one sequence per data rank), trains it in fp32 on the
+built-in corpus in the configured layout and in one process on the same global batch, and
+compares loss and gradient norm step by step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kiln.config import JobConfig, resolve_layout, to_toml, validate
+from kiln.errors import KilnError
+
+TOLERANCE = 1e-5
+
+
+def proxy_config(
+    cfg: JobConfig, world_size: int, *, steps: int, run_dir: Path, data_path: str
+) -> JobConfig:
+    proxy = copy.deepcopy(cfg)
+    m = proxy.model
+    m.preset = ""
+    m.n_layers = 2 * cfg.distributed.pp
+    m.dim = 16 * m.n_heads
+    m.ffn_hidden_dim = 4 * m.dim
+    m.vocab_size, m.max_seq_len = 4096, 64
+    t = proxy.train
+    t.seq_len, t.batch_size, t.max_steps = 64, 1, steps
+    t.grad_accum_steps = min(t.grad_accum_steps, 4)
+    t.mixed_precision = "fp32"
+    proxy.scheduler.warmup_steps = 0
+    proxy.data.source, proxy.data.path, proxy.data.tokenizer = "demo", data_path, ""
+    proxy.checkpoint.dir, proxy.checkpoint.interval, proxy.checkpoint.save_final = "", 0, False
+    proxy.checkpoint.resume, proxy.checkpoint.load_path = "never", ""
+    proxy.metrics.run_dir, proxy.metrics.log_interval, proxy.metrics.plot = str(run_dir), 1, False
+    validate(proxy, world_size)
+    return proxy
+
+
+def single_process_twin(proxy: JobConfig, world_size: int) -> JobConfig:
+    """Same global batch in one process: every data rank's sequences in one micro-batch."""
+    twin = copy.deepcopy(proxy)
+    degrees = resolve_layout(proxy.distributed, world_size)
+    twin.train.batch_size = (
+        proxy.train.batch_size * degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
+    )
+    twin.distributed.dp_replicate = twin.distributed.dp_shard = 1
+    twin.distributed.tp = twin.distributed.pp = twin.distributed.cp = twin.distributed.ep = 1
+    twin.metrics.run_dir = str(Path(proxy.metrics.run_dir).with_name("one_process"))
+    return twin
+
+
+def verify(cfg: JobConfig, world_size: int, *, steps: int, data_path: str) -> bool:
+    """Run both, print a per-step table, return whether every step agrees within tolerance."""
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
+        proxy = proxy_config(
+            cfg, world_size, steps=steps, run_dir=Path(tmp) / "layout", data_path=data_path
+        )
+        twin = single_process_twin(proxy, world_size)
+        layout = _train(proxy, world_size, Path(tmp))
+        reference = _train(twin, 1, Path(tmp))
+    return _report(layout, reference, proxy, world_size)
+
+
+def _train(cfg: JobConfig, nproc: int, tmp: Path) -> dict[int, dict]:
+    recipe = tmp / f"{Path(cfg.metrics.run_dir).name}.toml"
+    recipe.write_text(to_toml(cfg))
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        if nproc > 1
+        else []
+    )
+    command = [sys.executable, *launcher, "-m", "kiln", "train", str(recipe)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise KilnError(
+            f"the {'layout' if nproc > 1 else 'one-process'} run failed:\n{_tail(result)}"
+        )
+    lines = (Path(cfg.metrics.run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def _report(
+    layout: dict[int, dict], reference: dict[int, dict], proxy: JobConfig, world_size: int
+) -> bool:
+    degrees = resolve_layout(proxy.distributed, world_size)
+    m = proxy.model
+    print(
+        f"proxy: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads / {m.n_kv_heads} KV heads, seq {proxy.train.seq_len}"
+    )
+    print(
+        "layout: "
+        + " × ".join(f"{k}={v}" for k, v in degrees.items())
+        + f" on {world_size} processes vs one process"
+    )
+    print(
+        f"{'step':>4} | {'loss (layout)':>14} | {'loss (one)':>14} | {'rel diff':>9} | {'grad norm rel diff':>18}"
+    )
+    ok = True
+    for step in sorted(reference):
+        a, b = layout[step], reference[step]
+        loss_diff = abs(a["loss"] - b["loss"]) / abs(b["loss"])
+        norm_diff = abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"])
+        good = loss_diff <= TOLERANCE and norm_diff <= TOLERANCE
+        ok &= good
+        mark = "" if good else "  <- differs"
+        print(
+            f"{step:>4} | {a['loss']:>14.8f} | {b['loss']:>14.8f} | {loss_diff:>9.2e} | {norm_diff:>18.2e}{mark}"
+        )
+    print(f"{'PASS' if ok else 'FAIL'}: relative tolerance {TOLERANCE:g}")
+    return ok
+
+
+def _tail(result: subprocess.CompletedProcess) -> str:
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    errors = [line for line in lines if "error" in line.lower()]
+    return "\n".join((errors or lines)[-5:])

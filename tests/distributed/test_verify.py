@@ -1,0 +1,43 @@
+"""`kiln verify` passes a correct layout and fails a deliberately broken one."""
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import DEBUG_CONFIG
+
+
+def verify(demo_data, tmp_path, *extra, env=None):
+    command = [
+        sys.executable,
+        "-m",
+        "kiln",
+        "verify",
+        str(DEBUG_CONFIG),
+        "--data",
+        str(demo_data),
+        "--steps",
+        "4",
+        *extra,
+    ]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def test_verify_passes_hsdp(demo_data, tmp_path):
+    result = verify(demo_data, tmp_path, "--world-size", "4", "--distributed.dp_replicate=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout and "dp_replicate=2 × dp_shard=2" in result.stdout
+
+
+def test_averaged_instead_of_summed_gradients_are_caught(demo_data, tmp_path):
+    result = verify(
+        demo_data, tmp_path, "--distributed.dp_shard=2", env={"KILN_TEST_AVERAGE_GRADIENTS": "1"}
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout and "<- differs" in result.stdout
