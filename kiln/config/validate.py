@@ -157,6 +157,10 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
         p.append(
             f"distributed.tp ({d.tp}) must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads})"
         )
+    if d.tp > 1 and cfg.train.z_loss_weight > 0:
+        p.append(
+            "train.z_loss_weight > 0 is not supported with distributed.tp > 1 yet (vocab-sharded logits); set one of them to 0/1"
+        )
     if d.pp > max(m.n_layers, 1):
         p.append(f"distributed.pp ({d.pp}) exceeds model.n_layers ({m.n_layers})")
     if d.ep > 1:

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from kiln.config.sections import ModelConfig
 from kiln.model.attention import Attention
@@ -57,6 +57,8 @@ class Transformer(nn.Module):
             cache.advance(tokens.shape[1])
         h = self.norm(h)
         if self.output is None:
+            if isinstance(h, DTensor):  # tensor parallel: gather the sequence, keep the vocab split
+                h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
 

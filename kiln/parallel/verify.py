@@ -120,6 +120,10 @@ def _report(
 
 
 def _tail(result: subprocess.CompletedProcess) -> str:
+    """The lines that say what went wrong: kiln's own error, else the exception, else the end."""
     lines = (result.stdout + result.stderr).strip().splitlines()
-    errors = [line for line in lines if "error" in line.lower()]
-    return "\n".join((errors or lines)[-5:])
+    for marker in ("error:", "Error:"):
+        found = [line for line in lines if marker in line and "elastic" not in line]
+        if found:
+            return "\n".join(dict.fromkeys(found[:3]))
+    return "\n".join(lines[-5:])

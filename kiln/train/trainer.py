@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from kiln.checkpoint import latest_complete, load_checkpoint, resolve_checkpoint, save_checkpoint
 from kiln.config import JobConfig, to_toml, validate
@@ -35,13 +37,13 @@ class Trainer:
         validate(cfg, world_size or int(os.environ.get("WORLD_SIZE", "1")))
         unsupported = [
             f"{d}={getattr(cfg.distributed, d)}"
-            for d in ("tp", "pp", "cp", "ep")
+            for d in ("pp", "cp", "ep")
             if getattr(cfg.distributed, d) > 1
         ]
         if unsupported:
             raise ConfigError(
                 f"distributed {', '.join(unsupported)}: this version trains data-parallel layouts only "
-                "(dp_shard, dp_replicate); set these to 1"
+                "(dp_shard, dp_replicate) and tensor parallel (tp); set these to 1"
             )
         self.cfg = cfg
         self.run_dir = Path(cfg.metrics.run_dir)
@@ -77,6 +79,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_atomically(self.run_dir / "config.toml", to_toml(cfg))
         self.autocast = self._autocast_context()
+        self.loss_context = (
+            loss_parallel if self.parallel.degrees["tp"] > 1 else contextlib.nullcontext
+        )
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(self.device)
 
@@ -144,10 +149,16 @@ class Trainer:
         for index, (inputs, labels) in enumerate(micro_batches):
             if self.defer_grad_reduce:
                 self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            with self.autocast:
-                logits = self.model(inputs)
-            loss_sum = token_loss_sum(logits, labels, z_loss_weight=self.cfg.train.z_loss_weight)
-            (loss_sum * self.grad_scale / valid).backward()
+            # Under tensor parallel the logits stay vocabulary-sharded into the loss.
+            with self.loss_context():
+                with self.autocast:
+                    logits = self.model(inputs)
+                loss_sum = token_loss_sum(
+                    logits, labels, z_loss_weight=self.cfg.train.z_loss_weight
+                )
+                (loss_sum * self.grad_scale / valid).backward()
+            if isinstance(loss_sum, DTensor):
+                loss_sum = loss_sum.full_tensor()
             total += loss_sum.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip_norm)
         lr = self.cfg.optimizer.lr * lr_factor(

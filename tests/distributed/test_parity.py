@@ -62,26 +62,42 @@ def assert_parity(got, expected, steps=range(1, STEPS + 1)):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, demo_data):
-    run_dir = train(
-        tmp_path_factory.mktemp("reference"),
-        "one",
-        demo_data,
-        1,
-        f"--train.batch_size={GLOBAL_BATCH}",
-    )
-    return records(run_dir)
+def references(tmp_path_factory, demo_data):
+    """One-process runs, one per model variant, computed on first use."""
+    cache = {}
 
+    def get(*model_overrides):
+        if model_overrides not in cache:
+            base = tmp_path_factory.mktemp("reference")
+            overrides = [f"--train.batch_size={GLOBAL_BATCH}", *model_overrides]
+            cache[model_overrides] = records(train(base, "one", demo_data, 1, *overrides))
+        return cache[model_overrides]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
+
+
+KV4 = ("--model.n_kv_heads=4",)  # tp=4 needs the KV heads to split four ways
+TIED = ("--model.tie_embeddings=true",)
 
 LAYOUTS = {
-    "dp_shard=2": (2, ["--distributed.dp_shard=2", "--train.batch_size=4"]),
-    "dp_shard=4": (4, ["--distributed.dp_shard=4", "--train.batch_size=2"]),
-    "dp_shard=8": (8, ["--distributed.dp_shard=8", "--train.batch_size=1"]),
+    "dp_shard=2": (2, ["--distributed.dp_shard=2", "--train.batch_size=4"], ()),
+    "dp_shard=4": (4, ["--distributed.dp_shard=4", "--train.batch_size=2"], ()),
+    "dp_shard=8": (8, ["--distributed.dp_shard=8", "--train.batch_size=1"], ()),
     "dp_replicate=2 x dp_shard=2": (
         4,
         ["--distributed.dp_replicate=2", "--distributed.dp_shard=2", "--train.batch_size=2"],
+        (),
     ),
-    "dp_shard=2, full AC": (2, ["--train.batch_size=4", "--train.activation_checkpointing=full"]),
+    "dp_shard=2, full AC": (
+        2,
+        ["--train.batch_size=4", "--train.activation_checkpointing=full"],
+        (),
+    ),
     "dp_replicate=2 x dp_shard=2, selective AC": (
         4,
         [
@@ -89,10 +105,11 @@ LAYOUTS = {
             "--train.batch_size=2",
             "--train.activation_checkpointing=selective",
         ],
+        (),
     ),
-    "dp=4/accum=1": (4, ["--train.batch_size=2", "--train.grad_accum_steps=1"]),
-    "dp=2/accum=2": (2, ["--train.batch_size=2", "--train.grad_accum_steps=2"]),
-    "dp=1/accum=4": (1, ["--train.batch_size=2", "--train.grad_accum_steps=4"]),
+    "dp=4/accum=1": (4, ["--train.batch_size=2", "--train.grad_accum_steps=1"], ()),
+    "dp=2/accum=2": (2, ["--train.batch_size=2", "--train.grad_accum_steps=2"], ()),
+    "dp=1/accum=4": (1, ["--train.batch_size=2", "--train.grad_accum_steps=4"], ()),
     "dp=2/accum=2, one reduce per step": (
         2,
         [
@@ -100,14 +117,30 @@ LAYOUTS = {
             "--train.grad_accum_steps=2",
             "--distributed.grad_reduce=per_step",
         ],
+        (),
+    ),
+    "tp=2": (2, ["--distributed.tp=2", "--train.batch_size=8"], ()),
+    "tp=4": (4, ["--distributed.tp=4", "--train.batch_size=8"], KV4),
+    "tp=2, tied embeddings": (2, ["--distributed.tp=2", "--train.batch_size=8"], TIED),
+    "tp=2 x dp_shard=2": (4, ["--distributed.tp=2", "--train.batch_size=4"], ()),
+    "tp=2 x dp_shard=2, full AC": (
+        4,
+        ["--distributed.tp=2", "--train.batch_size=4", "--train.activation_checkpointing=full"],
+        (),
+    ),
+    "tp=2 x dp_replicate=2 x dp_shard=2": (
+        8,
+        ["--distributed.tp=2", "--distributed.dp_replicate=2", "--train.batch_size=2"],
+        (),
     ),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_layout_matches_one_process(layout, reference, tmp_path, demo_data):
-    nproc, overrides = LAYOUTS[layout]
-    assert_parity(records(train(tmp_path, "run", demo_data, nproc, *overrides)), reference)
+def test_layout_matches_one_process(layout, references, tmp_path, demo_data):
+    nproc, overrides, model = LAYOUTS[layout]
+    got = records(train(tmp_path, "run", demo_data, nproc, *overrides, *model))
+    assert_parity(got, references(*model))
 
 
 def test_checkpoint_from_one_layout_resumes_in_another(reference, tmp_path, demo_data):

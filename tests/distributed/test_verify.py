@@ -41,3 +41,22 @@ def test_averaged_instead_of_summed_gradients_are_caught(demo_data, tmp_path):
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL" in result.stdout and "<- differs" in result.stdout
+
+
+def test_fsdp_before_tp_is_caught(demo_data, tmp_path):
+    result = verify(
+        demo_data,
+        tmp_path,
+        "--world-size",
+        "4",
+        "--distributed.tp=2",
+        env={"KILN_TEST_FSDP_BEFORE_TP": "1"},
+    )
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "the layout run failed" in result.stderr
+
+
+def test_verify_passes_tp_with_fsdp(demo_data, tmp_path):
+    result = verify(demo_data, tmp_path, "--world-size", "4", "--distributed.tp=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout and "dp_shard=2" in result.stdout and "tp=2" in result.stdout
