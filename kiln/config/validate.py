@@ -147,16 +147,37 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
     product = " × ".join(f"{n}={getattr(d, n)}" for n in LAYOUT_DIMS if n != "dp_shard")
     if d.dp_shard == -1 and world_size % fixed:
         p.append(
-            f"world size {world_size} is not divisible by {product} = {fixed}, so dp_shard = -1 cannot fill the rest; change the degrees or the number of processes"
+            f"world size {world_size} is not divisible by {product} = {fixed}, so dp_shard = -1 cannot fill the rest; "
+            f"use a multiple of {fixed} processes ({_nearest_multiples(world_size, fixed)}) or change the degrees"
         )
     elif d.dp_shard != -1 and fixed * d.dp_shard != world_size:
-        p.append(
-            f"layout {product} × dp_shard={d.dp_shard} = {fixed * d.dp_shard} processes, but the world size is {world_size}; make the product equal the world size or set dp_shard = -1"
+        fits = (
+            f"dp_shard = {world_size // fixed}"
+            if world_size % fixed == 0
+            else "dp_shard = -1 with other degrees"
         )
-    if m.n_heads > 0 and m.n_kv_heads > 0 and (m.n_heads % d.tp or m.n_kv_heads % d.tp):
         p.append(
-            f"distributed.tp ({d.tp}) must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads})"
+            f"layout {product} × dp_shard={d.dp_shard} = {fixed * d.dp_shard} processes, but the world size is {world_size}; "
+            f"make the product equal the world size ({fits}) or set dp_shard = -1"
         )
+    heads = math.gcd(m.n_heads, m.n_kv_heads) if m.n_heads > 0 and m.n_kv_heads > 0 else 0
+    if heads and heads % d.tp:
+        valid = [t for t in range(1, heads + 1) if heads % t == 0]
+        p.append(
+            f"distributed.tp ({d.tp}) must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}); "
+            f"valid tp: {', '.join(map(str, valid))}"
+        )
+    if d.tp > 1:
+        # Sequence parallel splits the sequence, the head splits the vocabulary, the MLP its hidden units.
+        for key, value in (
+            ("train.seq_len", cfg.train.seq_len),
+            ("model.vocab_size", m.vocab_size),
+            ("model.ffn_hidden_dim", m.ffn_hidden_dim),
+        ):
+            if value > 0 and value % d.tp:
+                p.append(
+                    f"{key} ({value}) must be divisible by distributed.tp ({d.tp}) under tensor parallel; nearest: {_nearest_multiples(value, d.tp)}"
+                )
     if d.tp > 1 and cfg.train.z_loss_weight > 0:
         p.append(
             "train.z_loss_weight > 0 is not supported with distributed.tp > 1 yet (vocab-sharded logits); set one of them to 0/1"
@@ -168,3 +189,8 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
             "distributed.ep > 1 needs a Mixture-of-Experts model (model.num_experts > 0), which this version does not have"
         )
     return p
+
+
+def _nearest_multiples(value: int, factor: int) -> str:
+    below, above = value // factor * factor, (value // factor + 1) * factor
+    return f"{below} or {above}" if below > 0 else str(above)
