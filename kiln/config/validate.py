@@ -154,11 +154,11 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
         fits = (
             f"dp_shard = {world_size // fixed}"
             if world_size % fixed == 0
-            else "dp_shard = -1 with other degrees"
+            else f"a multiple of {fixed} processes: {_nearest_multiples(world_size, fixed)}"
         )
         p.append(
             f"layout {product} × dp_shard={d.dp_shard} = {fixed * d.dp_shard} processes, but the world size is {world_size}; "
-            f"make the product equal the world size ({fits}) or set dp_shard = -1"
+            f"make the product equal the world size ({fits})"
         )
     heads = math.gcd(m.n_heads, m.n_kv_heads) if m.n_heads > 0 and m.n_kv_heads > 0 else 0
     if heads and heads % d.tp:
