@@ -1,0 +1,49 @@
+"""The initial full weights are identical in every layout (DESIGN §4)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config import load_config
+from kiln.model import build_model, materialize
+from tests.conftest import DEBUG_CONFIG
+
+WORKER = Path(__file__).with_name("init_weights_worker.py")
+
+
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, ["--distributed.dp_shard=2"]),
+        (4, ["--distributed.tp=2", "--model.tie_embeddings=false"]),
+        (4, ["--distributed.dp_replicate=2"]),
+    ],
+    ids=["dp_shard=2", "tp=2 x dp_shard=2", "dp_replicate=2 x dp_shard=2"],
+)
+def test_initial_weights_do_not_depend_on_the_layout(nproc, layout, tmp_path):
+    out = tmp_path / "weights.pt"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKER),
+        str(DEBUG_CONFIG),
+        str(out),
+        *layout,
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    gathered = torch.load(out)
+    cfg = load_config(DEBUG_CONFIG)
+    single = materialize(build_model(cfg.model), device="cpu", seed=cfg.train.seed).state_dict()
+    assert gathered.keys() == single.keys()
+    for name, tensor in single.items():
+        assert torch.equal(gathered[name], tensor), name
