@@ -178,6 +178,11 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
                 p.append(
                     f"{key} ({value}) must be divisible by distributed.tp ({d.tp}) under tensor parallel; nearest: {_nearest_multiples(value, d.tp)}"
                 )
+    if d.tp > 1 and cfg.train.compile:
+        p.append(
+            "train.compile = true with distributed.tp > 1 is not supported yet (the compiled block's backward "
+            "fails under sequence parallel on torch 2.13); use compile with FSDP/HSDP, or tp without compile"
+        )
     if d.tp > 1 and cfg.train.z_loss_weight > 0:
         p.append(
             "train.z_loss_weight > 0 is not supported with distributed.tp > 1 yet (vocab-sharded logits); set one of them to 0/1"

@@ -119,6 +119,7 @@ LAYOUTS = {
         ],
         (),
     ),
+    "dp_shard=2, compiled blocks": (2, ["--train.batch_size=4", "--train.compile=true"], ()),
     "tp=2": (2, ["--distributed.tp=2", "--train.batch_size=8"], ()),
     "tp=4": (4, ["--distributed.tp=4", "--train.batch_size=8"], KV4),
     "tp=2, tied embeddings": (2, ["--distributed.tp=2", "--train.batch_size=8"], TIED),
