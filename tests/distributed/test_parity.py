@@ -18,8 +18,8 @@ GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 
 
-def train(tmp_path, name, demo_data, nproc, *overrides, steps=STEPS):
-    run_dir = tmp_path / name
+def train_args(run_dir, demo_data, *overrides, steps=STEPS):
+    """`kiln train` arguments shared by every parity run."""
     args = [
         DEBUG_CONFIG,
         f"--data.path={demo_data}",
@@ -31,12 +31,18 @@ def train(tmp_path, name, demo_data, nproc, *overrides, steps=STEPS):
         "--checkpoint.save_final=false",
         *overrides,
     ]
+    return [*map(str, args)]
+
+
+def train(tmp_path, name, demo_data, nproc, *overrides, steps=STEPS):
+    run_dir = tmp_path / name
+    args = train_args(run_dir, demo_data, *overrides, steps=steps)
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         if nproc > 1
         else []
     )
-    command = [sys.executable, *launcher, "-m", "kiln", "train", *map(str, args)]
+    command = [sys.executable, *launcher, "-m", "kiln", "train", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir
@@ -163,16 +169,7 @@ def test_two_node_job_on_one_machine(reference, tmp_path, demo_data):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / "run"
-    args = [
-        DEBUG_CONFIG,
-        f"--data.path={demo_data}",
-        f"--metrics.run_dir={run_dir}",
-        f"--train.max_steps={STEPS}",
-        "--metrics.log_interval=1",
-        "--train.grad_clip_norm=0.5",
-        "--checkpoint.interval=0",
-        "--train.batch_size=4",
-    ]
+    args = train_args(run_dir, demo_data, "--train.batch_size=4")
     agents = [
         subprocess.Popen(
             [
@@ -188,7 +185,7 @@ def test_two_node_job_on_one_machine(reference, tmp_path, demo_data):
                 "-m",
                 "kiln",
                 "train",
-                *map(str, args),
+                *args,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
