@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from kiln.checkpoint import latest_complete, load_checkpoint, resolve_checkpoint, save_checkpoint
 from kiln.config import JobConfig, to_toml, validate
+from kiln.data.demo_corpus import ensure_demo_corpus
 from kiln.data.loader import BatchLoader
 from kiln.data.sources import open_training_data
 from kiln.errors import ConfigError
@@ -181,22 +182,17 @@ class Trainer:
         return value
 
     def _open_data(self):
-        # One rank builds the built-in corpus if it is missing; the others wait, then read it.
-        if self.parallel.is_main or self.parallel.world_size == 1:
-            dataset = open_training_data(
-                self.cfg.data,
-                seq_len=self.cfg.train.seq_len,
-                model_vocab_size=self.cfg.model.vocab_size,
-            )
-        if self.parallel.world_size > 1:
+        # One rank builds a missing built-in corpus while the others wait; then every rank opens
+        # the data itself, so a bad path fails on all ranks at once instead of hanging the rest.
+        if self.cfg.data.source == "demo" and self.parallel.world_size > 1:
+            if self.parallel.is_main:
+                ensure_demo_corpus(Path(self.cfg.data.path))
             dist.barrier()
-        if not self.parallel.is_main:
-            dataset = open_training_data(
-                self.cfg.data,
-                seq_len=self.cfg.train.seq_len,
-                model_vocab_size=self.cfg.model.vocab_size,
-            )
-        return dataset
+        return open_training_data(
+            self.cfg.data,
+            seq_len=self.cfg.train.seq_len,
+            model_vocab_size=self.cfg.model.vocab_size,
+        )
 
     def save(self) -> Path:
         return save_checkpoint(
