@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kiln.checkpoint import load_checkpoint, read_model_config, resolve_checkpoint, save_checkpoint
-from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf
+from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf, model_config_from_hf
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.model import Transformer, build_model, materialize
@@ -147,18 +147,9 @@ def test_transformers_4_config_is_read(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_kiln_to_hf_logits_match(tmp_path, tied):
-    cfg = ModelConfig(
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=VOCAB,
-        ffn_hidden_dim=128,
-        rope_theta=500000.0,
-        max_seq_len=128,
-        tie_embeddings=tied,
-        init_std=0.1,
-    )
+    # The same tiny Llama as the HF-side tests, described in kiln's terms.
+    cfg = model_config_from_hf(_llama_config(tie_word_embeddings=tied).to_dict())
+    cfg.init_std = 0.1
     model = materialize(build_model(cfg), device="cpu", seed=3)
     _randomize_norms(model)
     tokenizer = _write_tokenizer(tmp_path / "tokenizer.json")
