@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -29,6 +30,13 @@ from torch.distributed.checkpoint.state_dict import (
 from kiln.checkpoint import layout
 from kiln.config import JobConfig, ModelConfig, config_from_dict, read_toml, to_toml
 from kiln.errors import KilnError
+
+# Optimizer state keyed by parameter name (`state.<fqn>.exp_avg`), so the states of several
+# pipeline stages merge into one dict and any layout finds its parameters' entries.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+Modules = torch.nn.Module | list[torch.nn.Module]
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | None
 
 
 def _rank() -> int:
@@ -48,8 +56,8 @@ def save_checkpoint(
     root: Path,
     step: int,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    model: Modules,
+    optimizer: Optimizers,
     config: JobConfig,
     train_state: dict[str, Any],
     tokenizer_path: Path | None = None,
@@ -63,9 +71,7 @@ def save_checkpoint(
         layout.remove_partials(root)
         partial.mkdir()
     _barrier()
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    state = _merged(_state_dicts(model, optimizer))
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
     rng_dir = partial / "rng"
@@ -89,15 +95,14 @@ def save_checkpoint(
 def load_checkpoint(
     path: Path,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: Modules,
+    optimizer: Optimizers = None,
     restore_rng: bool = False,
 ) -> dict[str, Any]:
     """Load weights (and optimizer state, RNG when asked) in place; return the saved train state."""
     path = layout.resolve_checkpoint(path)
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    parts = _state_dicts(model, optimizer)
+    state = _merged(parts)
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
@@ -106,14 +111,43 @@ def load_checkpoint(
         raise KilnError(
             f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?"
         ) from None
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+    # The merged dicts hold the loaded tensors; each part takes back its own keys.
+    for module, optim, part in zip(_as_list(model), _as_list(optimizer), parts, strict=True):
+        set_model_state_dict(module, {k: state["model"][k] for k in part["model"]})
+        if optim is not None:
+            loaded = {k: state["optim"][k] for k in part["optim"]}
+            set_optimizer_state_dict(module, optim, loaded, options=_FLAT)
     if restore_rng:
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
         if rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
     return read_train_state(path)
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _state_dicts(model: Modules, optimizer: Optimizers) -> list[dict[str, dict]]:
+    """Per model part (a pipeline stage, or the whole model) its model and optimizer state."""
+    parts = []
+    optimizers = _as_list(optimizer) if optimizer is not None else [None] * len(_as_list(model))
+    for module, optim in zip(_as_list(model), optimizers, strict=True):
+        part = {"model": get_model_state_dict(module)}
+        if optim is not None:
+            part["optim"] = get_optimizer_state_dict(module, optim, options=_FLAT)
+        parts.append(part)
+    return parts
+
+
+def _merged(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """One dict per kind over all parts. A name held by two parts (the tied embedding of the
+    first and last stage) has equal values in both, so either copy serves."""
+    merged: dict[str, dict] = {}
+    for part in parts:
+        for kind, values in part.items():
+            merged.setdefault(kind, {}).update(values)
+    return merged
 
 
 def read_train_state(path: Path) -> dict[str, Any]:

@@ -75,6 +75,15 @@ class DistributedConfig:
     cp: int = 1
     ep: int = 1
     grad_reduce: str = "per_micro_batch"
+    pp_schedule: str = "1f1b"
+    # 0: one sequence per micro-batch, i.e. train.batch_size micro-batches per pipeline pass.
+    pp_microbatches: int = 0
+    pp_virtual_stages: int = 1
+    # Explicit transformer layers per stage (pp × pp_virtual_stages entries); empty: balanced.
+    pp_layers_per_stage: list[int] = field(default_factory=list)
+    # How many transformer layers the embedding and the output head weigh when balancing stages.
+    pp_embedding_layers: int = 1
+    pp_output_layers: int = 1
 
 
 @dataclass

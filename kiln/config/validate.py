@@ -6,6 +6,13 @@ import math
 
 from kiln.config.sections import DistributedConfig, JobConfig
 from kiln.errors import ConfigError
+from kiln.parallel.pipeline_split import (
+    MULTI_STAGE_SCHEDULES,
+    PP_SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+    microbatches,
+    num_stages,
+)
 
 CHOICES = {
     "train.mixed_precision": ("bf16", "fp32"),
@@ -17,6 +24,7 @@ CHOICES = {
     "data.source": ("demo", "prepared"),
     "checkpoint.resume": ("auto", "never"),
     "distributed.grad_reduce": ("per_micro_batch", "per_step"),
+    "distributed.pp_schedule": PP_SCHEDULES,
 }
 LAYOUT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
@@ -30,7 +38,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 
 def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
-    return problems + _layout_problems(cfg, world_size)
+    return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 
 
 def resolve_layout(dist: DistributedConfig, world_size: int) -> dict[str, int]:
@@ -187,13 +195,106 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
         p.append(
             "train.z_loss_weight > 0 is not supported with distributed.tp > 1 yet (vocab-sharded logits); set one of them to 0/1"
         )
-    if d.pp > max(m.n_layers, 1):
-        p.append(f"distributed.pp ({d.pp}) exceeds model.n_layers ({m.n_layers})")
     if d.ep > 1:
         p.append(
             "distributed.ep > 1 needs a Mixture-of-Experts model (model.num_experts > 0), which this version does not have"
         )
     return p
+
+
+def _pipeline_problems(cfg: JobConfig) -> list[str]:
+    """The pp_* keys apply only with distributed.pp > 1."""
+    d, t, p = cfg.distributed, cfg.train, []
+    for name in ("pp_virtual_stages", "pp_microbatches", "pp_embedding_layers", "pp_output_layers"):
+        low = 1 if name == "pp_virtual_stages" else 0
+        if getattr(d, name) < low:
+            p.append(f"distributed.{name} must be >= {low}, got {getattr(d, name)}")
+    if p or d.pp <= 1 or d.pp_schedule not in PP_SCHEDULES:
+        return p
+    schedule, v = d.pp_schedule, d.pp_virtual_stages
+    if schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        p.append(
+            f"distributed.pp_schedule = '{schedule}' runs one stage per rank but pp_virtual_stages = {v}; "
+            f"set pp_virtual_stages = 1, or pick one of {', '.join(MULTI_STAGE_SCHEDULES)} for virtual stages"
+        )
+    elif schedule == "zbv" and v != 2:
+        p.append(
+            f"distributed.pp_schedule = 'zbv' runs exactly two stages per rank (a V); set pp_virtual_stages = 2 (got {v})"
+        )
+    elif schedule in MULTI_STAGE_SCHEDULES and v < 2:
+        p.append(
+            f"distributed.pp_schedule = '{schedule}' interleaves several stages per rank; set "
+            "distributed.pp_virtual_stages >= 2 (or use '1f1b' for one stage per rank)"
+        )
+    p += _stage_split_problems(cfg)
+    p += _microbatch_problems(cfg)
+    if d.grad_reduce == "per_step" and t.grad_accum_steps > 1:
+        p.append(
+            "distributed.grad_reduce = 'per_step' with pp > 1 and grad_accum_steps > 1: a pipeline pass "
+            "reduces gradients once per pass; grow train.batch_size (more micro-batches per pass) "
+            "instead of grad_accum_steps, or use grad_reduce = 'per_micro_batch'"
+        )
+    if t.compile and schedule in ("interleaved_zero_bubble", "zbv"):
+        p.append(
+            f"train.compile = true with pp_schedule = '{schedule}': zero-bubble schedules split each "
+            "backward into input and weight parts, which torch does not support for compiled "
+            "blocks; use interleaved_1f1b, or compile = false"
+        )
+    return p
+
+
+def _stage_split_problems(cfg: JobConfig) -> list[str]:
+    d, layers = cfg.distributed, cfg.model.n_layers
+    stages = num_stages(d)
+    what = f"pp × pp_virtual_stages = {d.pp} × {d.pp_virtual_stages} = {stages} stages"
+    if d.pp_layers_per_stage:
+        given = d.pp_layers_per_stage
+        if len(given) != stages or sum(given) != layers or min(given) < 1:
+            return [
+                f"distributed.pp_layers_per_stage = {given} must list {stages} positive layer counts "
+                f"({what}) that add up to model.n_layers = {layers}"
+            ]
+        return []
+    if stages > layers:
+        return [
+            f"{what} but model.n_layers is {layers}: every stage needs at least one layer; "
+            "lower pp or pp_virtual_stages"
+        ]
+    if d.pp_virtual_stages > 1 and layers % stages:
+        return [
+            f"model.n_layers = {layers} does not divide into {what}: interleaved stages run in "
+            "lockstep, so they should be equal; change pp_virtual_stages or the layer count, or "
+            "list the split in distributed.pp_layers_per_stage"
+        ]
+    return []
+
+
+def _microbatch_problems(cfg: JobConfig) -> list[str]:
+    d, batch = cfg.distributed, cfg.train.batch_size
+    if batch <= 0:
+        return []
+    m = microbatches(d, batch)
+    if batch % m:
+        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+        return [
+            f"train.batch_size = {batch} (sequences per rank per pipeline pass) must be divisible by "
+            f"distributed.pp_microbatches = {m}; use one of {divisors} micro-batches, or a batch size "
+            f"that is a multiple of {m}"
+        ]
+    needed = d.pp if d.pp_schedule != "gpipe" else 1
+    if m < needed:
+        return [
+            f"distributed.pp_schedule = '{d.pp_schedule}' needs at least pp = {needed} micro-batches "
+            f"per pass, got {m}; set distributed.pp_microbatches >= {needed} and train.batch_size to "
+            f"a multiple of it (pp_microbatches = 0 uses train.batch_size)"
+        ]
+    rounds = max(1, m // d.pp)
+    if d.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and m % rounds:
+        return [
+            f"distributed.pp_schedule = '{d.pp_schedule}' runs micro-batches in rounds of pp = {d.pp}: "
+            f"{m} micro-batches is not a multiple of {rounds} rounds; use a multiple of {d.pp}"
+        ]
+    return []
 
 
 def _nearest_multiples(value: int, factor: int) -> str:

@@ -31,6 +31,9 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
+        start = cache.pos if cache is not None else 0
+        # Full tables in, sliced here: under sequence parallel only attention sees whole sequences.
+        cos, sin = cos[start : start + seq], sin[start : start + seq]
         # -1 heads instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -38,9 +41,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        start = 0
         if cache is not None:
-            start = cache.pos
             k, v = cache.update(layer, k, v)
         out = F.scaled_dot_product_attention(
             q,

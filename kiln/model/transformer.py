@@ -44,17 +44,22 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.embeds_input = True
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab)."""
-        start = cache.pos if cache is not None else 0
-        end = start + tokens.shape[1]
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
-        h = self.tok_embeddings(tokens)
-        for i, block in enumerate(self.layers.values()):
-            h = block(h, cos, sin, cache, i)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab).
+
+        A pipeline stage (see `parallel/pipeline.py`) holds some of the layers: a stage after the
+        first takes the previous stage's hidden states instead of tokens, and a stage before the
+        last returns hidden states instead of logits.
+        """
+        h = self.tok_embeddings(x) if self.embeds_input else x
+        for name, block in self.layers.items():
+            h = block(h, self.rope_cos, self.rope_sin, cache, int(name))
         if cache is not None:
-            cache.advance(tokens.shape[1])
+            cache.advance(x.shape[1])
+        if self.norm is None:
+            return h
         h = self.norm(h)
         if self.output is None:
             if isinstance(h, DTensor):  # tensor parallel: gather the sequence, keep the vocab split

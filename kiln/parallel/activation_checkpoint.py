@@ -10,6 +10,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """`full` wraps every block; `selective` every other block (half the recompute, half the savings)."""
     if mode == "none":
         return
-    for index, name in enumerate(list(model.layers.keys())):
-        if mode == "full" or index % 2 == 0:
+    # By layer index, not position: a pipeline stage checkpoints the same blocks as the whole model.
+    for name in list(model.layers.keys()):
+        if mode == "full" or int(name) % 2 == 0:
             model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)

@@ -19,7 +19,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 BREAK_GRADIENT_SUM_FOR_TESTS = "KILN_TEST_AVERAGE_GRADIENTS"
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipelined: bool = False) -> None:
+    """Shard `model` (or one pipeline stage of it). A pipelined stage keeps its blocks gathered
+    between forward and backward: resharding would all-gather again for every micro-batch."""
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -27,9 +29,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> None:
     )
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
-        fully_shard(inner.attention, mesh=mesh, mp_policy=policy)
-        fully_shard(inner.feed_forward, mesh=mesh, mp_policy=policy)
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        for unit in (inner.attention, inner.feed_forward, block):
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
     # The root unit holds embeddings, final norm and output head; it is gathered for the whole
     # step anyway, so it is not resharded after forward.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)

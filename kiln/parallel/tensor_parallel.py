@@ -23,15 +23,17 @@ from torch.distributed.tensor.parallel import (
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    # A pipeline stage holds only some of these; its hidden states cross stages sequence-sharded.
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-    }
-    if model.output is not None:
-        top["output"] = ColwiseParallel(
+        "output": ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
-        )
-    parallelize_module(model, mesh, top)
+        ),
+    }
+    present = {name: plan for name, plan in top.items() if getattr(model, name) is not None}
+    if present:
+        parallelize_module(model, mesh, present)
     for block in model.layers.values():
         # Attention and feed-forward take the sequence-sharded residual stream and need it whole.
         gather_attention = PrepareModuleInput(

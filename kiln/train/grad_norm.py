@@ -10,17 +10,35 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Return the global L2 norm of the gradients; scale them down to `max_norm` if above (0: never)."""
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    pipeline_group: dist.ProcessGroup | None = None,
+    duplicates: Iterable[torch.nn.Parameter] = (),
+) -> torch.Tensor:
+    """Return the global L2 norm of the gradients; scale them down to `max_norm` if above (0: never).
+
+    Under pipeline parallel each rank holds some stages: their squared norms are summed over
+    `pipeline_group`. `duplicates` (a second copy of a tied weight) are clipped but not counted.
+    """
     params = [p for p in parameters if p.grad is not None]
-    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params]
+    skip = {id(p) for p in duplicates}
+    norms = [
+        torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params if id(p) not in skip
+    ]
     # Norms of sharded gradients are partial; full_tensor() reduces them across ranks.
     total = torch.linalg.vector_norm(torch.stack(norms))
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if pipeline_group is not None:
+        squared = total.square()
+        dist.all_reduce(squared, group=pipeline_group)
+        total = squared.sqrt()
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0).float()
         for p in params:

@@ -27,6 +27,7 @@ from kiln.model import build_model, flops_per_token, materialize
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import init_parallel
+from kiln.parallel.pipeline import TiedEmbedding, build_schedule
 from kiln.train.grad_norm import clip_grad_norm
 from kiln.train.loss import count_valid, token_loss_sum
 from kiln.train.optimizer import build_optimizer
@@ -38,13 +39,13 @@ class Trainer:
         validate(cfg, world_size or int(os.environ.get("WORLD_SIZE", "1")))
         unsupported = [
             f"{d}={getattr(cfg.distributed, d)}"
-            for d in ("pp", "cp", "ep")
+            for d in ("cp", "ep")
             if getattr(cfg.distributed, d) > 1
         ]
         if unsupported:
             raise ConfigError(
-                f"distributed {', '.join(unsupported)}: this version trains data-parallel layouts only "
-                "(dp_shard, dp_replicate) and tensor parallel (tp); set these to 1"
+                f"distributed {', '.join(unsupported)}: this version trains data parallel "
+                "(dp_shard, dp_replicate), tensor parallel (tp) and pipeline parallel (pp); set these to 1"
             )
         self.cfg = cfg
         self.run_dir = Path(cfg.metrics.run_dir)
@@ -54,16 +55,29 @@ class Trainer:
         self.device = self.parallel.device
         self.dataset = self._open_data()
         self.grad_scale = gradient_average_compensation(self.parallel.fsdp_mesh())
+        pipelined = self.parallel.degrees["pp"] > 1
         # per_step: gradients of all micro-batches accumulate unsharded and are reduced once.
+        # (A pipeline schedule does that itself within each pass.)
         self.defer_grad_reduce = (
-            self.parallel.fsdp_mesh() is not None and cfg.distributed.grad_reduce == "per_step"
+            self.parallel.fsdp_mesh() is not None
+            and cfg.distributed.grad_reduce == "per_step"
+            and not pipelined
         )
 
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model)
-        apply_parallelism(self.model, cfg, self.parallel)
-        materialize(self.model, device=self.device, seed=cfg.train.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        # The whole model, or under pipeline parallel the stages this rank runs.
+        self.model_parts = apply_parallelism(build_model(cfg.model), cfg, self.parallel)
+        for part in self.model_parts:
+            materialize(part, device=self.device, seed=cfg.train.seed)
+        self.optimizers = [build_optimizer(part, cfg.optimizer) for part in self.model_parts]
+        self.pipeline = self.tied = self.pipeline_group = None
+        if pipelined:
+            self.pipeline_group = self.parallel.mesh["pp"].get_group()
+            self.tied = TiedEmbedding(self.model_parts, cfg, self.parallel)
+            self.pipeline = build_schedule(
+                self.model_parts, cfg, self.parallel, loss_fn=self._pipeline_loss
+            )
+            self._loss_sums: dict[int, torch.Tensor] = {}
         self.loader = BatchLoader(
             self.dataset,
             seed=cfg.train.seed,
@@ -144,42 +158,75 @@ class Trainer:
         # Normalize by the valid tokens of the whole optimizer step, counted before any backward,
         # so every grad-accumulation split computes the gradient of the same loss.
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
-        valid = self._sum_over_data_ranks(sum(count_valid(labels) for _, labels in micro_batches))
-        valid = valid.clamp(min=1)
+        valid = _sum_over(
+            sum(count_valid(labels) for _, labels in micro_batches), self.parallel.data_group()
+        )
+        self._valid = valid = valid.clamp(min=1)
         total = torch.zeros((), device=self.device)
         for index, (inputs, labels) in enumerate(micro_batches):
+            if self.pipeline is not None:
+                total += self._pipeline_pass(inputs, labels)
+                continue
+            model = self.model_parts[0]
             if self.defer_grad_reduce:
-                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+                model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             # Under tensor parallel the logits stay vocabulary-sharded into the loss.
             with self.loss_context():
                 with self.autocast:
-                    logits = self.model(inputs)
+                    logits = model(inputs)
                 loss_sum = token_loss_sum(
                     logits, labels, z_loss_weight=self.cfg.train.z_loss_weight
                 )
                 (loss_sum * self.grad_scale / valid).backward()
-            if isinstance(loss_sum, DTensor):
-                loss_sum = loss_sum.full_tensor()
-            total += loss_sum.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip_norm)
+            total += _full(loss_sum.detach())
+        if self.tied is not None:
+            self.tied.sync_grads()
+        grad_norm = clip_grad_norm(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.cfg.train.grad_clip_norm,
+            pipeline_group=self.pipeline_group,
+            duplicates=self.tied.duplicates(self.model_parts) if self.tied is not None else (),
+        )
         lr = self.cfg.optimizer.lr * lr_factor(
             self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         self.step += 1
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         self.tokens_seen += tokens
-        return self._sum_over_data_ranks(total) / valid, grad_norm, lr, tokens
+        # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
+        total = _sum_over(total, self.pipeline_group)
+        return _sum_over(total, self.parallel.data_group()) / valid, grad_norm, lr, tokens
 
-    def _sum_over_data_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        group = self.parallel.data_group()
-        if group is not None:
-            value = value.clone()
-            dist.all_reduce(value, group=group)
-        return value
+    def _pipeline_pass(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline schedule, which splits it into
+        micro-batches; returns the token-loss sum on the last stage's ranks, zero elsewhere."""
+        self._loss_sums.clear()
+        losses: list[torch.Tensor] = []
+        first_stage = any(part.embeds_input for part in self.model_parts)
+        with self.loss_context(), self.autocast:
+            self.pipeline.step(
+                *((inputs,) if first_stage else ()),
+                target=labels,
+                losses=losses,
+                return_outputs=False,
+            )
+        if not losses:
+            return torch.zeros((), device=self.device)
+        # `losses` holds exactly this pass's micro-batch losses (the first pass also runs the loss
+        # once more to infer shapes); each maps back to its unnormalized sum.
+        return _full(torch.stack([self._loss_sums[id(loss)] for loss in losses]).sum())
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss for one micro-batch, normalized like the unpipelined step's."""
+        loss_sum = token_loss_sum(logits, labels, z_loss_weight=self.cfg.train.z_loss_weight)
+        loss = loss_sum * self.grad_scale / self._valid
+        self._loss_sums[id(loss)] = loss_sum.detach()
+        return loss
 
     def _open_data(self):
         # One rank builds a missing built-in corpus while the others wait; then every rank opens
@@ -198,8 +245,8 @@ class Trainer:
         return save_checkpoint(
             self.checkpoint_dir,
             self.step,
-            model=self.model,
-            optimizer=self.optimizer,
+            model=self.model_parts,
+            optimizer=self.optimizers,
             config=self.cfg,
             train_state={**self.loader.state_dict(), "tokens_seen": self.tokens_seen},
             tokenizer_path=self.dataset.tokenizer_path,
@@ -224,14 +271,14 @@ class Trainer:
         )
         if newest is not None:
             state = load_checkpoint(
-                newest, model=self.model, optimizer=self.optimizer, restore_rng=True
+                newest, model=self.model_parts, optimizer=self.optimizers, restore_rng=True
             )
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.loader.load_state_dict(state)
             if self.parallel.is_main:
                 print(f"kiln: resumed from {newest} (step {self.step})", flush=True)
         elif self.cfg.checkpoint.load_path:
-            load_checkpoint(self.cfg.checkpoint.load_path, model=self.model)
+            load_checkpoint(self.cfg.checkpoint.load_path, model=self.model_parts)
             if self.parallel.is_main:
                 print(f"kiln: initial weights from {self.cfg.checkpoint.load_path}", flush=True)
 
@@ -285,6 +332,19 @@ class _Window:
 
     def tokens_per_sec(self) -> float:
         return self.tokens / (time.perf_counter() - self.start)
+
+
+def _sum_over(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is None:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, group=group)
+    return value
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A loss computed from vocabulary-sharded logits is a DTensor; the plain number is wanted."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -1,0 +1,137 @@
+"""Pipeline parallel on `torch.distributed.pipelining`: stage modules, the schedule, tied weights.
+
+Each stage is the model with the other stages' layers deleted, so parameter names are those of
+the unsplit model and checkpoints move between pipelined and unpipelined layouts. Stages after
+the first take hidden states instead of tokens; stages before the last return hidden states.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from kiln.config.sections import JobConfig
+from kiln.model.transformer import Transformer
+from kiln.parallel.mesh import ParallelContext
+from kiln.parallel.pipeline_split import (
+    microbatches,
+    num_stages,
+    stage_layers,
+    stage_rank,
+    stages_of_rank,
+)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+
+
+def split_into_stages(model: Transformer, cfg: JobConfig, pp_rank: int) -> list[Transformer]:
+    """The stages `pp_rank` runs, built from `model` (still on the meta device, so copying is free)."""
+    dist_cfg, last = cfg.distributed, num_stages(cfg.distributed) - 1
+    parts = []
+    for stage in stages_of_rank(dist_cfg, pp_rank):
+        part = copy.deepcopy(model)
+        keep = {str(i) for i in stage_layers(dist_cfg, cfg.model.n_layers, stage)}
+        for name in [n for n in part.layers if n not in keep]:
+            del part.layers[name]
+        part.embeds_input = stage == 0
+        # With tied embeddings the last stage keeps its own copy of the embedding as output head.
+        if stage != 0 and not (stage == last and cfg.model.tie_embeddings):
+            part.tok_embeddings = None
+        if stage != last:
+            part.norm = part.output = None
+        parts.append(part)
+    return parts
+
+
+def build_schedule(
+    parts: list[nn.Module],
+    cfg: JobConfig,
+    parallel: ParallelContext,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """The configured schedule over this rank's stages. `loss_fn` returns the already normalized
+    loss of one micro-batch, so the schedule must not rescale gradients (scale_grads=False)."""
+    dist_cfg = cfg.distributed
+    group = parallel.mesh["pp"].get_group()
+    stages = [
+        PipelineStage(part, stage, num_stages(dist_cfg), parallel.device, group=group)
+        for part, stage in zip(
+            parts, stages_of_rank(dist_cfg, parallel.mesh.get_local_rank("pp")), strict=True
+        )
+    ]
+    schedule_class = SCHEDULES[dist_cfg.pp_schedule]
+    return schedule_class(
+        stages[0] if len(stages) == 1 and dist_cfg.pp_schedule in ("gpipe", "1f1b") else stages,
+        n_microbatches=microbatches(dist_cfg, cfg.train.batch_size),
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
+
+
+class TiedEmbedding:
+    """Keeps the first stage's embedding and the last stage's output head, one weight held twice,
+    in step: their gradients are summed so both copies take the same optimizer step."""
+
+    def __init__(self, parts: list[nn.Module], cfg: JobConfig, parallel: ParallelContext):
+        self.enabled = cfg.model.tie_embeddings
+        self.copies = [p.tok_embeddings.weight for p in parts if p.tok_embeddings is not None]
+        self.group = None
+        if self.enabled:
+            self.group = _first_last_stage_group(cfg, parallel)
+
+    def duplicates(self, parts: list[nn.Module]) -> list[nn.Parameter]:
+        """The copy held by the last stage: counted once in the gradient norm, not twice."""
+        if not self.enabled:
+            return []
+        return [
+            p.tok_embeddings.weight
+            for p in parts
+            if p.tok_embeddings is not None and not p.embeds_input
+        ]
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        if not self.enabled or not self.copies:
+            return
+        grads = [_local(w.grad) for w in self.copies]
+        if len(grads) == 2:  # both stages on this rank (zbv)
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif self.group is not None:
+            dist.all_reduce(grads[0], group=self.group)
+
+
+def _first_last_stage_group(cfg: JobConfig, parallel: ParallelContext) -> dist.ProcessGroup | None:
+    """For every (data, tensor) position, a group of the ranks holding the first and the last
+    stage; None where one rank holds both or neither. Every rank takes part in creating every
+    group, as new_group requires."""
+    last = stage_rank(cfg.distributed, num_stages(cfg.distributed) - 1)
+    if last == 0:
+        return None
+    ranks = parallel.mesh.mesh  # (pp, dp_replicate, dp_shard, ep, cp, tp)
+    pairs = torch.stack([ranks[0].flatten(), ranks[last].flatten()], dim=1).tolist()
+    mine, _ = dist.new_subgroups_by_enumeration(pairs)
+    return mine
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,60 @@
+"""Which layers form each pipeline stage, and which stages each pipeline rank runs.
+
+Pure arithmetic on the config (no torch), so validation can use it before any process starts.
+"""
+
+from __future__ import annotations
+
+from kiln.config.sections import DistributedConfig
+
+# Schedules that run one stage per rank, and those that run several (virtual stages).
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+
+
+def num_stages(dist: DistributedConfig) -> int:
+    return dist.pp * dist.pp_virtual_stages
+
+
+def layers_per_stage(dist: DistributedConfig, n_layers: int) -> list[int]:
+    """Transformer layers in each stage, first to last: the explicit list, or balanced so that
+    each stage's layers plus its share of embedding and output head are as equal as possible."""
+    if dist.pp_layers_per_stage:
+        return list(dist.pp_layers_per_stage)
+    stages = num_stages(dist)
+    extra = [0] * stages  # the embedding and output head, counted in layers
+    extra[0] += dist.pp_embedding_layers
+    extra[-1] += dist.pp_output_layers
+    counts = [1] * stages
+    for _ in range(n_layers - stages):
+        # Water-filling: the next layer goes to the lightest stage (the earliest on a tie).
+        lightest = min(range(stages), key=lambda s: (counts[s] + extra[s], s))
+        counts[lightest] += 1
+    return counts
+
+
+def stage_layers(dist: DistributedConfig, n_layers: int, stage: int) -> range:
+    """Indices of the transformer layers in `stage`."""
+    counts = layers_per_stage(dist, n_layers)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
+def stages_of_rank(dist: DistributedConfig, pp_rank: int) -> list[int]:
+    """Stage indices pipeline rank `pp_rank` runs: stage s goes to rank s mod pp (a loop), except
+    for zbv, whose V shape gives rank r stages r and 2·pp − 1 − r, so that the first and last
+    stages share rank 0 and the turn of the V needs no communication."""
+    if dist.pp_schedule == "zbv":
+        return [pp_rank, 2 * dist.pp - 1 - pp_rank]
+    return [pp_rank + v * dist.pp for v in range(dist.pp_virtual_stages)]
+
+
+def stage_rank(dist: DistributedConfig, stage: int) -> int:
+    """The pipeline rank that runs `stage`."""
+    return next(r for r in range(dist.pp) if stage in stages_of_rank(dist, r))
+
+
+def microbatches(dist: DistributedConfig, batch_size: int) -> int:
+    """Micro-batches per pipeline pass (pp_microbatches = 0: one sequence each)."""
+    return dist.pp_microbatches or batch_size
