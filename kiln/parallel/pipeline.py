@@ -112,6 +112,11 @@ class TiedEmbedding:
     def sync_grads(self) -> None:
         if not self.enabled or not self.copies:
             return
+        for w in self.copies:
+            # The embedding's backward under tensor parallel leaves a replicated gradient for a
+            # row-sharded weight; bring it to the weight's layout so the two copies line up.
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
+                w.grad = w.grad.redistribute(w.device_mesh, w.placements)
         grads = [_local(w.grad) for w in self.copies]
         if len(grads) == 2:  # both stages on this rank (zbv)
             grads[0].add_(grads[1])
