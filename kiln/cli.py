@@ -162,6 +162,7 @@ def cmd_check(args) -> int:
     from kiln.config import load_config, resolve_layout, to_toml
     from kiln.metrics.memory import estimate_memory
     from kiln.model import count_params, flops_per_token
+    from kiln.parallel.pipeline_split import pipeline_summary
 
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     layout = resolve_layout(cfg.distributed, args.world_size)
@@ -184,10 +185,12 @@ def cmd_check(args) -> int:
         f" (fp32 weights, grads, AdamW) + activations {memory.activations / 2**30:.1f} GiB"
         f" (activation_checkpointing = {cfg.train.activation_checkpointing!r})"
     )
-    unsupported = [d for d in ("tp", "pp", "cp", "ep") if layout[d] > 1]
+    if layout["pp"] > 1:
+        print(f"# pipeline: {pipeline_summary(cfg)}")
+    unsupported = [d for d in ("cp", "ep") if layout[d] > 1]
     if unsupported:
         print(
-            f"# note: {', '.join(unsupported)} > 1 is validated here, but this version of `kiln train` trains dp_shard/dp_replicate layouts only"
+            f"# note: {', '.join(unsupported)} > 1 is validated here, but this version of `kiln train` does not train it yet"
         )
     print("# config OK")
     return 0

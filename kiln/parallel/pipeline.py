@@ -8,6 +8,7 @@ the first take hidden states instead of tokens; stages before the last return hi
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,10 @@ from kiln.parallel.pipeline_split import (
     stage_rank,
     stages_of_rank,
 )
+
+# Test-only: let the schedule also divide gradients by the micro-batch count, the double scaling
+# of a loss that is already normalized. The parity tests must catch it.
+SCALE_GRADS_FOR_TESTS = "KILN_TEST_PP_SCALE_GRADS"
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -83,7 +88,7 @@ def build_schedule(
         stages[0] if len(stages) == 1 and dist_cfg.pp_schedule in ("gpipe", "1f1b") else stages,
         n_microbatches=microbatches(dist_cfg, cfg.train.batch_size),
         loss_fn=loss_fn,
-        scale_grads=False,
+        scale_grads=os.environ.get(SCALE_GRADS_FOR_TESTS) == "1",
     )
 
 

@@ -5,7 +5,7 @@ Pure arithmetic on the config (no torch), so validation can use it before any pr
 
 from __future__ import annotations
 
-from kiln.config.sections import DistributedConfig
+from kiln.config.sections import DistributedConfig, JobConfig
 
 # Schedules that run one stage per rank, and those that run several (virtual stages).
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
@@ -58,3 +58,41 @@ def stage_rank(dist: DistributedConfig, stage: int) -> int:
 def microbatches(dist: DistributedConfig, batch_size: int) -> int:
     """Micro-batches per pipeline pass (pp_microbatches = 0: one sequence each)."""
     return dist.pp_microbatches or batch_size
+
+
+def bubble_fraction(dist: DistributedConfig, n_microbatches: int) -> float:
+    """Idle share of a pipeline pass, idealized (forward, input-backward and weight-backward of a
+    stage take equal time, communication is free): the formulas in docs/pipeline.md."""
+    p, m, v = dist.pp, n_microbatches, dist.pp_virtual_stages
+    if p == 1:
+        return 0.0
+    if dist.pp_schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if dist.pp_schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if dist.pp_schedule == "interleaved_zero_bubble":
+        # Weight gradients (a third of the work) fill two thirds of the 1F1B warm-up and cool-down.
+        return (p - 1) / (3 * v * m + p - 1)
+    return 0.0  # zbv: the V fills the bubble completely when m >= 2p - 1
+
+
+def in_flight_microbatches(dist: DistributedConfig, n_microbatches: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak, in units of one
+    micro-batch through one stage's layers."""
+    p, m, v = dist.pp, n_microbatches, dist.pp_virtual_stages
+    if p == 1 or dist.pp_schedule == "gpipe":
+        return m
+    if dist.pp_schedule in ("1f1b", "zbv"):
+        return min(p, m)
+    return min(p, m) * (1 + (p - 1) / (p * v))  # interleaved: the deeper warm-up
+
+
+def pipeline_summary(cfg: JobConfig) -> str:
+    """One line for `kiln check`: schedule, stages, split, micro-batches and the ideal bubble."""
+    d = cfg.distributed
+    m = microbatches(d, cfg.train.batch_size)
+    return (
+        f"schedule {d.pp_schedule}, {num_stages(d)} stages ({d.pp} ranks × {d.pp_virtual_stages}), "
+        f"layers per stage {layers_per_stage(d, cfg.model.n_layers)}, {m} micro-batches × "
+        f"{cfg.train.batch_size // m} sequence(s) per pass, ideal bubble {bubble_fraction(d, m):.0%}"
+    )

@@ -1,10 +1,10 @@
 """`kiln verify`: prove a layout computes what one process computes, on a small proxy of the model.
 
-The proxy keeps everything a layout's rules depend on (head and KV-head counts, the layout,
-activation checkpointing, compile, gradient accumulation) and shrinks the rest (two layers per
-pipeline stage, head dim 16, sequence 64, one sequence per data rank), trains it in fp32 on the
-built-in corpus in the configured layout and in one process on the same global batch, and
-compares loss and gradient norm step by step.
+The proxy keeps everything a layout's rules depend on (head and KV-head counts, the layout, the
+pipeline schedule, activation checkpointing, compile, gradient accumulation) and shrinks the rest
+(two layers per pipeline stage, head dim 16, sequence 64, one sequence per data rank or per
+pipeline micro-batch), trains it in fp32 on the built-in corpus in the configured layout and in
+one process on the same global batch, and compares loss and gradient norm step by step.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
 from kiln.errors import KilnError
+from kiln.parallel.pipeline_split import num_stages
 
 TOLERANCE = 1e-5
 
@@ -28,12 +29,16 @@ def proxy_config(
     proxy = copy.deepcopy(cfg)
     m = proxy.model
     m.preset = ""
-    m.n_layers = 2 * cfg.distributed.pp
+    m.n_layers = 2 * num_stages(cfg.distributed)
+    proxy.distributed.pp_layers_per_stage = []
     m.dim = 16 * m.n_heads
     m.ffn_hidden_dim = 4 * m.dim
     m.vocab_size, m.max_seq_len = 4096, 64
     t = proxy.train
-    t.seq_len, t.batch_size, t.max_steps = 64, 1, steps
+    # One sequence per data rank, or per pipeline micro-batch.
+    pipelined = cfg.distributed.pp > 1
+    t.seq_len, t.max_steps = 64, steps
+    t.batch_size = (cfg.distributed.pp_microbatches or cfg.distributed.pp) if pipelined else 1
     t.grad_accum_steps = min(t.grad_accum_steps, 4)
     t.mixed_precision = "fp32"
     proxy.scheduler.warmup_steps = 0

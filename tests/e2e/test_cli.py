@@ -72,6 +72,31 @@ BAD_INPUTS = {
         ["check", DEBUG_CONFIG, "--world-size=8", "--distributed.dp_shard=2", "--distributed.tp=2"],
         "but the world size is 8",
     ),
+    "too few pipeline micro-batches": (
+        [
+            "check",
+            DEBUG_CONFIG,
+            "--world-size=4",
+            "--distributed.pp=4",
+            "--model.n_layers=4",
+            "--distributed.pp_microbatches=2",
+        ],
+        "needs at least pp = 4 micro-batches",
+    ),
+    "more pipeline stages than layers": (
+        ["check", DEBUG_CONFIG, "--world-size=4", "--distributed.pp=4"],
+        "every stage needs at least one layer",
+    ),
+    "unknown pipeline schedule": (
+        [
+            "check",
+            DEBUG_CONFIG,
+            "--world-size=2",
+            "--distributed.pp=2",
+            "--distributed.pp_schedule=zero_bubble",
+        ],
+        "distributed.pp_schedule = 'zero_bubble' is not one of",
+    ),
     "toml syntax": ([bad_toml, "--world-size=1"], "TOML syntax error"),
     "missing config": (["train", "nope.toml"], "config file not found: nope.toml"),
     "missing data": (
@@ -181,3 +206,10 @@ def test_killed_run_resumes_bitwise(demo_data, tmp_path):
     resumed = kiln("train", *common, "--metrics.run_dir=broken", cwd=tmp_path)
     assert "resumed from" in resumed.stdout
     assert losses(tmp_path / "broken") == losses(tmp_path / "straight")
+
+
+def test_pipelined_recipe_check_shows_the_stages(tmp_path):
+    recipe = DEBUG_CONFIG.parent / "70b_32gpu_tp4_pp4.toml"
+    result = kiln("check", recipe, "--world-size=32", cwd=tmp_path)
+    assert "tp=4 × pp=4" in result.stdout
+    assert "layers per stage [20, 20, 20, 20], 8 micro-batches" in result.stdout

@@ -11,6 +11,9 @@ RECIPES = {
     "7b_32gpu_fsdp": (32, {"dp_shard": 32, "tp": 1}),
     "13b_24gpu_validation": (24, {"dp_shard": 6, "tp": 4}),
     "70b_32gpu_tp4": (32, {"dp_shard": 8, "tp": 4}),
+    "13b_32gpu_tp4_pp2": (32, {"dp_shard": 4, "tp": 4, "pp": 2}),
+    "29b_32gpu_tp4_pp2": (32, {"dp_shard": 4, "tp": 4, "pp": 2}),
+    "70b_32gpu_tp4_pp4": (32, {"dp_shard": 2, "tp": 4, "pp": 4}),
 }
 
 
