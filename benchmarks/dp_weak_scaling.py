@@ -10,41 +10,11 @@ per rank; the step time is the median over the steps after the first log window.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-
-def run(ranks: int, steps: int, batch_size: int, data: str, run_dir: Path) -> list[dict]:
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        if ranks > 1
-        else []
-    )
-    command = [
-        sys.executable,
-        *launcher,
-        "-m",
-        "kiln",
-        "train",
-        "configs/train/debug.toml",
-        f"--data.path={data}",
-        f"--metrics.run_dir={run_dir}",
-        f"--train.max_steps={steps}",
-        f"--train.batch_size={batch_size}",
-        "--metrics.log_interval=5",
-        "--checkpoint.interval=0",
-        "--checkpoint.save_final=false",
-        "--metrics.plot=false",
-    ]
-    subprocess.run(
-        command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from launch import train_records
 
 
 def main() -> None:
@@ -61,7 +31,14 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for ranks in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            records = run(ranks, args.steps, args.batch_size, args.data, Path(tmp) / "run")
+            records = train_records(
+                ranks,
+                f"--train.batch_size={args.batch_size}",
+                "--metrics.log_interval=5",
+                run_dir=Path(tmp) / "run",
+                steps=args.steps,
+                data=args.data,
+            )
         steady = [r for r in records if r["step"] > 5]  # the first window includes start-up
         tok_s = statistics.median(r["tokens_per_sec"] for r in steady)
         tokens_per_step = args.batch_size * ranks * 128

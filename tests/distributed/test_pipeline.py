@@ -23,6 +23,7 @@ L8 = ("--model.n_layers=8",)
 # grad norm moves by 2e-5 under plain grad accumulation too), so tied runs use fewer layers.
 TIED2 = ("--model.n_layers=2", "--model.tie_embeddings=true")
 TIED4 = ("--model.n_layers=4", "--model.tie_embeddings=true")
+M2 = "--distributed.pp_microbatches=2"
 
 VIRTUAL_STAGES = {
     "gpipe": 1,
@@ -46,11 +47,12 @@ LAYOUTS = {
         for pp in (2, 4)
         for name in VIRTUAL_STAGES
     },
-    "pp=2 x tp=2": (4, ["--distributed.pp=2", "--distributed.tp=2"], L8),
+    # Tensor-parallel collectives over gloo dominate these runs: 2 micro-batches keep them short.
+    "pp=2 x tp=2": (4, ["--distributed.pp=2", "--distributed.tp=2", M2], L8),
     "pp=2 x dp_shard=2": (4, ["--distributed.pp=2", "--train.batch_size=4"], L8),
     "pp=2 x tp=2 x dp_shard=2": (
         8,
-        ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4"],
+        ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4", M2],
         L8,
     ),
     "pp=2 zbv x dp_shard=2, selective AC": (
@@ -83,7 +85,11 @@ LAYOUTS = {
         L8,
     ),
     "pp=2, tied embeddings": (2, ["--distributed.pp=2"], TIED2),
-    "pp=2 x tp=2, tied embeddings": (4, ["--distributed.pp=2", "--distributed.tp=2"], TIED2),
+    "pp=2 x tp=2, tied embeddings": (
+        4,
+        ["--distributed.pp=2", "--distributed.tp=2", M2],
+        TIED2,
+    ),
     "pp=2 x dp_shard=2, tied embeddings": (
         4,
         ["--distributed.pp=2", "--train.batch_size=4"],
@@ -124,6 +130,7 @@ def test_one_process_checkpoint_resumes_pipelined(references, tmp_path, demo_dat
         "--distributed.tp=2",
         *schedule("interleaved_1f1b"),
         f"--train.batch_size={GLOBAL_BATCH}",
+        M2,
         *L8,
     )
     assert_parity(records(resumed), references(*L8), steps=range(6, STEPS + 1))
