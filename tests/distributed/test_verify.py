@@ -68,14 +68,19 @@ def test_verify_passes_a_zero_bubble_pipeline(demo_data, tmp_path):
         "--distributed.pp_schedule=zbv",
         "--distributed.pp_virtual_stages=2",
     ]
-    result = verify(demo_data, tmp_path, "--world-size", "4", *pipeline)
+    result = verify(demo_data, tmp_path, "--world-size", "4", "--model.n_layers=8", *pipeline)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout and "pp=2" in result.stdout and "8 layers" in result.stdout
 
 
 def test_pipeline_gradients_scaled_twice_are_caught(demo_data, tmp_path):
     result = verify(
-        demo_data, tmp_path, "--distributed.pp=2", env={"KILN_TEST_PP_SCALE_GRADS": "1"}
+        demo_data,
+        tmp_path,
+        "--world-size",
+        "2",
+        "--distributed.pp=2",
+        env={"KILN_TEST_PP_SCALE_GRADS": "1"},
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL" in result.stdout and "<- differs" in result.stdout
