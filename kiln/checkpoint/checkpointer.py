@@ -112,7 +112,7 @@ def load_checkpoint(
             f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?"
         ) from None
     # The merged dicts hold the loaded tensors; each part takes back its own keys.
-    for module, optim, part in zip(_as_list(model), _as_list(optimizer), parts, strict=True):
+    for (module, optim), part in zip(_pairs(model, optimizer), parts, strict=True):
         set_model_state_dict(module, {k: state["model"][k] for k in part["model"]})
         if optim is not None:
             loaded = {k: state["optim"][k] for k in part["optim"]}
@@ -124,15 +124,20 @@ def load_checkpoint(
     return read_train_state(path)
 
 
-def _as_list(value: Any) -> list:
-    return value if isinstance(value, list) else [value]
+def _pairs(model: Modules, optimizer: Optimizers) -> list[tuple[torch.nn.Module, Any]]:
+    """(module, its optimizer or None) per model part: a pipeline stage, or the whole model."""
+    modules = model if isinstance(model, list) else [model]
+    if optimizer is None:
+        return [(module, None) for module in modules]
+    return list(
+        zip(modules, optimizer if isinstance(optimizer, list) else [optimizer], strict=True)
+    )
 
 
 def _state_dicts(model: Modules, optimizer: Optimizers) -> list[dict[str, dict]]:
-    """Per model part (a pipeline stage, or the whole model) its model and optimizer state."""
+    """Per model part its model and optimizer state."""
     parts = []
-    optimizers = _as_list(optimizer) if optimizer is not None else [None] * len(_as_list(model))
-    for module, optim in zip(_as_list(model), optimizers, strict=True):
+    for module, optim in _pairs(model, optimizer):
         part = {"model": get_model_state_dict(module)}
         if optim is not None:
             part["optim"] = get_optimizer_state_dict(module, optim, options=_FLAT)

@@ -94,29 +94,21 @@ def build_schedule(
 
 class TiedEmbedding:
     """Keeps the first stage's embedding and the last stage's output head, one weight held twice,
-    in step: their gradients are summed so both copies take the same optimizer step."""
+    in step: their gradients are summed so both copies take the same optimizer step. Every rank
+    constructs it (it creates process groups); ranks holding neither copy have nothing to do."""
 
-    def __init__(self, parts: list[nn.Module], cfg: JobConfig, parallel: ParallelContext):
-        self.enabled = cfg.model.tie_embeddings
+    def __init__(self, parts: list[Transformer], cfg: JobConfig, parallel: ParallelContext):
         self.copies = [p.tok_embeddings.weight for p in parts if p.tok_embeddings is not None]
-        self.group = None
-        if self.enabled:
-            self.group = _first_last_stage_group(cfg, parallel)
-
-    def duplicates(self, parts: list[nn.Module]) -> list[nn.Parameter]:
-        """The copy held by the last stage: counted once in the gradient norm, not twice."""
-        if not self.enabled:
-            return []
-        return [
+        # The last stage's copy: clipped like the other, counted once in the gradient norm.
+        self.duplicates = [
             p.tok_embeddings.weight
             for p in parts
             if p.tok_embeddings is not None and not p.embeds_input
         ]
+        self.group = _first_last_stage_group(cfg, parallel)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
-        if not self.enabled or not self.copies:
-            return
         for w in self.copies:
             # The embedding's backward under tensor parallel leaves a replicated gradient for a
             # row-sharded weight; bring it to the weight's layout so the two copies line up.
@@ -126,7 +118,7 @@ class TiedEmbedding:
         if len(grads) == 2:  # both stages on this rank (zbv)
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
-        elif self.group is not None:
+        elif grads and self.group is not None:
             dist.all_reduce(grads[0], group=self.group)
 
 

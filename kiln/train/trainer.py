@@ -73,7 +73,8 @@ class Trainer:
         self.pipeline = self.tied = self.pipeline_group = None
         if pipelined:
             self.pipeline_group = self.parallel.mesh["pp"].get_group()
-            self.tied = TiedEmbedding(self.model_parts, cfg, self.parallel)
+            if cfg.model.tie_embeddings:
+                self.tied = TiedEmbedding(self.model_parts, cfg, self.parallel)
             self.pipeline = build_schedule(
                 self.model_parts, cfg, self.parallel, loss_fn=self._pipeline_loss
             )
@@ -185,7 +186,7 @@ class Trainer:
             [p for part in self.model_parts for p in part.parameters()],
             self.cfg.train.grad_clip_norm,
             pipeline_group=self.pipeline_group,
-            duplicates=self.tied.duplicates(self.model_parts) if self.tied is not None else (),
+            duplicates=self.tied.duplicates if self.tied is not None else (),
         )
         lr = self.cfg.optimizer.lr * lr_factor(
             self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps

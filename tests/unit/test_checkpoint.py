@@ -92,3 +92,37 @@ def test_latest_names_the_newest_write_not_the_highest_step(tmp_path):
     assert (
         tmp_path / "step_00000010" / "COMPLETE"
     ).is_file()  # retention never deletes the new one
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_whole_model_checkpoint_loads_into_pipeline_stages(tmp_path, tied):
+    """Stages 0 and 3 of a zbv split (one rank's two stages) take their layers, the optimizer
+    state of those layers and, when tied, both copies of the embedding from one unsplit save."""
+    from dataclasses import replace
+
+    from kiln.parallel.pipeline import split_into_stages
+
+    cfg = JobConfig(model=replace(TINY, n_layers=4, tie_embeddings=tied))
+    cfg.distributed.pp, cfg.distributed.pp_schedule, cfg.distributed.pp_virtual_stages = 2, "zbv", 2
+    whole = materialize(build_model(cfg.model), device="cpu", seed=0)
+    optimizer = build_optimizer(whole, cfg.optimizer)
+    whole(torch.randint(0, 50, (2, 8))).sum().backward()
+    optimizer.step()
+    save(tmp_path, 3, whole, optimizer)
+
+    parts = [
+        materialize(part, device="cpu", seed=1)
+        for part in split_into_stages(build_model(cfg.model), cfg, pp_rank=0)
+    ]
+    optimizers = [build_optimizer(part, cfg.optimizer) for part in parts]
+    load_checkpoint(tmp_path, model=parts, optimizer=optimizers)
+    expected = dict(whole.named_parameters())
+    moments = {name: optimizer.state[p]["exp_avg"] for name, p in whole.named_parameters()}
+    for part, part_optimizer in zip(parts, optimizers, strict=True):
+        for name, param in part.named_parameters():
+            assert torch.equal(param, expected[name]), name
+            assert torch.equal(part_optimizer.state[param]["exp_avg"], moments[name]), name
+    assert [sorted(p.layers) for p in parts] == [["0"], ["3"]]
+    assert (parts[1].tok_embeddings is not None) == tied
+    # Initial weights (no optimizer) load into several parts too.
+    load_checkpoint(tmp_path, model=parts)
