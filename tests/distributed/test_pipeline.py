@@ -50,6 +50,16 @@ LAYOUTS = {
     # Tensor-parallel collectives over gloo dominate these runs: 2 micro-batches keep them short.
     "pp=2 x tp=2": (4, ["--distributed.pp=2", "--distributed.tp=2", M2], L8),
     "pp=2 x dp_shard=2": (4, ["--distributed.pp=2", "--train.batch_size=4"], L8),
+    "pp=2 x HSDP (dp_replicate=2)": (
+        4,
+        [
+            "--distributed.pp=2",
+            "--distributed.dp_replicate=2",
+            "--distributed.dp_shard=1",
+            "--train.batch_size=4",
+        ],
+        L8,
+    ),
     "pp=2 x tp=2 x dp_shard=2": (
         8,
         ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4", M2],
