@@ -107,6 +107,12 @@ def load_checkpoint(
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        if optimizer is not None and _has_indexed_optimizer_state(path):
+            raise KilnError(
+                f"{path} holds optimizer state in the indexed format of kiln before pipeline "
+                "parallelism; this version keys it by parameter name. Start from its weights "
+                f"with checkpoint.load_path = '{path}' in a fresh run directory"
+            ) from None
         wanted = "model and optimizer" if optimizer is not None else "model"
         raise KilnError(
             f"cannot load the {wanted} state from {path}: {_first_line(e)}. Does the checkpoint match this model config?"
@@ -122,6 +128,12 @@ def load_checkpoint(
         if rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
     return read_train_state(path)
+
+
+def _has_indexed_optimizer_state(path: Path) -> bool:
+    """Older saves listed each param group's parameters (`optim.param_groups.0.params`)."""
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return any(key.startswith("optim.param_groups.") and key.endswith(".params") for key in keys)
 
 
 def _pairs(model: Modules, optimizer: Optimizers) -> list[tuple[torch.nn.Module, Any]]:

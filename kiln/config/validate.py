@@ -274,14 +274,14 @@ def _microbatch_problems(cfg: JobConfig) -> list[str]:
     if batch <= 0:
         return []
     m = microbatches(d, batch)
+    needed = d.pp if d.pp_schedule != "gpipe" else 1
     if batch % m:
-        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+        divisors = [k for k in range(needed, batch + 1) if batch % k == 0]
         return [
             f"train.batch_size = {batch} (sequences per rank per pipeline pass) must be divisible by "
             f"distributed.pp_microbatches = {m}; use one of {divisors} micro-batches, or a batch size "
             f"that is a multiple of {m}"
         ]
-    needed = d.pp if d.pp_schedule != "gpipe" else 1
     if m < needed:
         return [
             f"distributed.pp_schedule = '{d.pp_schedule}' needs at least pp = {needed} micro-batches "

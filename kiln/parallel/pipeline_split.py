@@ -73,12 +73,14 @@ def bubble_fraction(dist: DistributedConfig, n_microbatches: int) -> float:
     if dist.pp_schedule == "interleaved_zero_bubble":
         # Weight gradients (a third of the work) fill two thirds of the 1F1B warm-up and cool-down.
         return (p - 1) / (3 * v * m + p - 1)
-    return 0.0  # zbv: the V fills the bubble completely when m >= 2p - 1
+    if m >= 2 * p - 1:
+        return 0.0  # zbv: the V fills the bubble completely
+    return (p - 1) / (3 * 2 * m + p - 1)  # too few micro-batches: as interleaved zero bubble, v=2
 
 
 def in_flight_microbatches(dist: DistributedConfig, n_microbatches: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak, in units of one
-    micro-batch through one stage's layers."""
+    """Micro-batches whose activations the first rank holds at its peak, in units of one
+    micro-batch through all of that rank's layers (all its virtual stages together)."""
     p, m, v = dist.pp, n_microbatches, dist.pp_virtual_stages
     if p == 1 or dist.pp_schedule == "gpipe":
         return m

@@ -1,5 +1,7 @@
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from kiln.checkpoint import latest_complete, load_checkpoint, resolve_checkpoint, save_checkpoint
 from kiln.checkpoint.layout import complete_steps, partial_dir
@@ -82,6 +84,22 @@ def test_loading_into_a_different_model_says_so(tmp_path):
     with pytest.raises(KilnError, match="Does the checkpoint match this model config") as info:
         load_checkpoint(tmp_path, model=bigger)
     assert "Size mismatch" in str(info.value) and "FrameSummary" not in str(info.value)
+
+
+def test_optimizer_state_in_the_old_indexed_format_is_named(tmp_path):
+    model, optimizer = trained()
+    step_dir = save(tmp_path, 1, model, optimizer)
+    old_format = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),  # indexed param groups
+    }
+    dcp.save(old_format, checkpoint_id=step_dir, no_dist=True)
+    other, other_opt = trained(seed=1)
+    with pytest.raises(KilnError, match=r"indexed format .* checkpoint\.load_path"):
+        load_checkpoint(tmp_path, model=other, optimizer=other_opt)
+    load_checkpoint(tmp_path, model=other)  # the weights still serve a warm start
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_latest_names_the_newest_write_not_the_highest_step(tmp_path):

@@ -51,7 +51,9 @@ def test_bubble_shrinks_with_micro_batches_and_virtual_stages():
     assert bubble_fraction(dist(pp=4), 32) < one
     interleaved = dist(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
     assert bubble_fraction(interleaved, 8) == pytest.approx(3 / 19)
-    assert bubble_fraction(dist(pp=4, pp_schedule="zbv", pp_virtual_stages=2), 8) == 0
+    zbv = dist(pp=4, pp_schedule="zbv", pp_virtual_stages=2)
+    assert bubble_fraction(zbv, 8) == 0
+    assert 0 < bubble_fraction(zbv, 4) < bubble_fraction(dist(pp=4), 4)  # m < 2p - 1
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -100,7 +102,7 @@ def problems(world_size=2, **overrides) -> str:
         ({"distributed__pp_microbatches": 1}, "needs at least pp = 2 micro-batches"),
         (
             {"distributed__pp_microbatches": 3},
-            "must be divisible by distributed.pp_microbatches = 3",
+            "divisible by distributed.pp_microbatches = 3; use one of [2, 4, 8]",
         ),
         ({"train__batch_size": 1}, "set distributed.pp_microbatches >= 2"),
         ({"model__n_layers": 1}, "every stage needs at least one layer"),
