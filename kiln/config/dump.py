@@ -12,11 +12,22 @@ from kiln.config.sections import JobConfig
 def to_toml(cfg: JobConfig) -> str:
     lines: list[str] = []
     for section in dataclasses.fields(cfg):
+        values = dataclasses.asdict(getattr(cfg, section.name))
         lines.append(f"[{section.name}]")
-        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
-            lines.append(f"{key} = {_literal(value)}")
+        # Lists of tables are written after the plain keys: TOML puts them in their own blocks.
+        tables = {k: v for k, v in values.items() if _is_table_list(v)}
+        lines += [f"{k} = {_literal(v)}" for k, v in values.items() if k not in tables]
         lines.append("")
+        for key, entries in tables.items():
+            for entry in entries:
+                lines.append(f"[[{section.name}.{key}]]")
+                lines += [f"{k} = {_literal(v)}" for k, v in entry.items()]
+                lines.append("")
     return "\n".join(lines)
+
+
+def _is_table_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
 def _literal(value: Any) -> str:
@@ -28,4 +39,6 @@ def _literal(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_literal(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

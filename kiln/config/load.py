@@ -162,6 +162,13 @@ def convert(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
             return _INVALID
         items = [convert(v, item_hint, f"{where}[{i}]", problems) for i, v in enumerate(value)]
         return _INVALID if any(i is _INVALID for i in items) else items
+    if origin is dict:
+        _, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            problems.append(f"{where}: expected a table, got {value!r}")
+            return _INVALID
+        items = {k: convert(v, value_hint, f"{where}.{k}", problems) for k, v in value.items()}
+        return _INVALID if any(v is _INVALID for v in items.values()) else items
     ok = (
         (hint is bool and isinstance(value, bool))
         or (hint is int and isinstance(value, int) and not isinstance(value, bool))

@@ -60,10 +60,56 @@ class SchedulerConfig:
 
 
 @dataclass
+class DatasetSource:
+    """One `[[data.datasets]]` entry of a mixture; the same source keys as [data] itself."""
+
+    name: str = ""
+    source: str = "prepared"
+    path: str = ""
+    weight: float = 1.0
+    text_key: str = "text"
+    split: str = "train"
+    streaming: bool = False
+
+
+@dataclass
+class DataPhase:
+    """`[[data.phases]]`: from `start_step` on, sample with these weights (by dataset name) and
+    scale the learning rate: data annealing."""
+
+    start_step: int = 0
+    weights: dict[str, float] = field(default_factory=dict)
+    lr_scale: float = 1.0
+
+
+@dataclass
 class DataConfig:
+    # One dataset: source/path (and text_key/split/streaming for "hf"). A mixture: `datasets`.
     source: str = "demo"
     path: str = "data/demo"
     tokenizer: str = ""
+    text_key: str = "text"
+    split: str = "train"
+    streaming: bool = False
+    datasets: list[DatasetSource] = field(default_factory=list)
+    # Mixture probabilities are weight^(1/temperature), normalized: >1 flattens, <1 sharpens.
+    temperature: float = 1.0
+    phases: list[DataPhase] = field(default_factory=list)
+    # Attention stays within a document and no label crosses into the next one.
+    document_mask: bool = False
+    # Loader worker processes (0: read in the training process) and steps each prepares ahead.
+    num_workers: int = 1
+    prefetch_steps: int = 2
+
+
+@dataclass
+class EvalConfig:
+    # Every `interval` steps (0: never), `steps` batches of held-out data: eval/loss, perplexity.
+    interval: int = 0
+    steps: int = 10
+    # A prepared dataset; empty: the validation split `kiln prepare` wrote at <data.path>/val.
+    path: str = ""
+    batch_size: int = 0  # sequences per rank; 0: train.batch_size
 
 
 @dataclass
@@ -111,6 +157,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -21,7 +21,7 @@ CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "optimizer.name": ("adamw",),
     "scheduler.name": ("cosine", "linear", "wsd", "constant", "rex", "none"),
-    "data.source": ("demo", "prepared"),
+    "data.source": ("demo", "prepared", "hf"),
     "checkpoint.resume": ("auto", "never"),
     "distributed.grad_reduce": ("per_micro_batch", "per_step"),
     "distributed.pp_schedule": PP_SCHEDULES,
@@ -38,6 +38,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 
 def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
+    problems += _data_problems(cfg) + _eval_problems(cfg)
     return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 
 
@@ -125,8 +126,6 @@ def _train_problems(cfg: JobConfig) -> list[str]:
         p.append(f"scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
     if not 0 < s.decay_ratio <= 1:
         p.append(f"scheduler.decay_ratio must be in (0, 1], got {s.decay_ratio}")
-    if not cfg.data.path:
-        p.append("data.path is empty: point it at a prepared dataset directory")
     c = cfg.checkpoint
     if c.interval < 0 or c.keep_last_n < 0:
         p.append("checkpoint.interval and checkpoint.keep_last_n must be >= 0 (0 disables)")
@@ -241,6 +240,87 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
             "blocks; use interleaved_1f1b, or compile = false"
         )
     return p
+
+
+def _data_problems(cfg: JobConfig) -> list[str]:
+    d, p = cfg.data, []
+    if not d.datasets and not d.path:
+        p.append("data.path is empty: point it at a prepared dataset directory")
+    if d.streaming and d.source != "hf":
+        p.append("data.streaming = true reads a Hugging Face dataset: set data.source = 'hf'")
+    reads_hf = (d.source == "hf" and not d.datasets) or any(e.source == "hf" for e in d.datasets)
+    if reads_hf and not d.tokenizer:
+        p.append(
+            "a Hugging Face dataset (source = 'hf') is tokenized at start-up: set data.tokenizer "
+            "to a tokenizer.json"
+        )
+    names = [entry.name for entry in d.datasets]
+    for i, entry in enumerate(d.datasets):
+        where = f"data.datasets[{i}]"
+        if not entry.name:
+            p.append(f"{where} needs a name (it labels the per-dataset loss and phase weights)")
+        if not entry.path:
+            p.append(f"{where} ({entry.name}) needs a path")
+        if entry.source not in ("prepared", "hf"):
+            p.append(f"{where}.source = {entry.source!r} is not one of 'prepared', 'hf'")
+        if entry.streaming and entry.source != "hf":
+            p.append(f"{where}.streaming = true reads a Hugging Face dataset: set source = 'hf'")
+        if entry.weight < 0:
+            p.append(f"{where}.weight must be >= 0, got {entry.weight}")
+    duplicates = sorted({name for name in names if name and names.count(name) > 1})
+    if duplicates:
+        p.append(f"data.datasets: names must be unique, {', '.join(duplicates)} repeat")
+    if d.datasets and sum(entry.weight for entry in d.datasets) <= 0:
+        p.append("data.datasets: at least one weight must be positive")
+    if d.temperature <= 0:
+        p.append(f"data.temperature must be positive, got {d.temperature}")
+    p += _phase_problems(cfg, set(names))
+    if d.num_workers < 0 or d.prefetch_steps < 1:
+        p.append(
+            f"data.num_workers must be >= 0 and data.prefetch_steps >= 1, got "
+            f"{d.num_workers} and {d.prefetch_steps}"
+        )
+    if d.document_mask and cfg.distributed.pp > 1:
+        p.append(
+            "data.document_mask = true with distributed.pp > 1: stages after the first do not see "
+            "the tokens that mark document boundaries in this version; use pp = 1 or "
+            "document_mask = false"
+        )
+    return p
+
+
+def _phase_problems(cfg: JobConfig, names: set[str]) -> list[str]:
+    p, starts = [], [phase.start_step for phase in cfg.data.phases]
+    if starts != sorted(set(starts)) or any(start < 0 for start in starts):
+        p.append(f"data.phases: start_step values must be >= 0 and increasing, got {starts}")
+    for i, phase in enumerate(cfg.data.phases):
+        where = f"data.phases[{i}]"
+        unknown = sorted(set(phase.weights) - names)
+        if unknown:
+            known = ", ".join(sorted(names)) or "none: [[data.datasets]] is empty"
+            p.append(f"{where}.weights names unknown datasets {unknown} (datasets: {known})")
+        if any(weight < 0 for weight in phase.weights.values()):
+            p.append(f"{where}.weights must be >= 0")
+        elif phase.weights and sum(phase.weights.values()) <= 0:
+            p.append(f"{where}.weights: at least one weight must be positive")
+        if phase.lr_scale <= 0:
+            p.append(f"{where}.lr_scale must be positive, got {phase.lr_scale}")
+    return p
+
+
+def _eval_problems(cfg: JobConfig) -> list[str]:
+    e = cfg.eval
+    if e.interval < 0 or e.steps <= 0 or e.batch_size < 0:
+        return [
+            f"eval.interval must be >= 0 (0: no eval), eval.steps > 0 and eval.batch_size >= 0 "
+            f"(0: train.batch_size), got {e.interval}, {e.steps} and {e.batch_size}"
+        ]
+    if cfg.distributed.pp > 1 and e.batch_size not in (0, cfg.train.batch_size):
+        return [
+            f"eval.batch_size = {e.batch_size} with distributed.pp > 1: the pipeline runs batches "
+            f"of train.batch_size = {cfg.train.batch_size}; set eval.batch_size = 0"
+        ]
+    return []
 
 
 def _stage_split_problems(cfg: JobConfig) -> list[str]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.shards import TOKENIZER_FILE, read_index
+from kiln.data.shards import TOKENIZER_FILE, check_shard, read_index
 from kiln.errors import KilnError
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -114,14 +114,9 @@ class TokenDataset:
             raise KilnError(f"dataset {self.path} has unknown dtype {index['dtype']!r}; {fix}")
         if not index["shards"]:
             raise KilnError(f"dataset {self.path} has no shards; {fix}")
-        itemsize = np.dtype(index["dtype"]).itemsize
+        dtype = np.dtype(index["dtype"]).newbyteorder("<")
         for shard in index["shards"]:
-            file = self.path / shard["file"]
-            expected = shard["num_tokens"] * itemsize
-            if not file.is_file() or file.stat().st_size != expected:
-                raise KilnError(
-                    f"dataset {self.path}: shard {shard['file']} is missing or not {expected} bytes; {fix}"
-                )
+            check_shard(self.path, shard, dtype, index["vocab_size"])
         if sum(shard["num_tokens"] for shard in index["shards"]) != index["num_tokens"]:
             raise KilnError(
                 f"dataset {self.path}: shard token counts do not add up to num_tokens; {fix}"

@@ -3,7 +3,8 @@
 Layout of a dataset directory:
 
     index.json              format, version, dtype, vocab_size, eos_id, tokenizer_sha256,
-                            num_tokens, num_documents, shards: [{file, docs_file, num_tokens, num_documents}]
+                            num_tokens, num_documents, shards: [{file, docs_file, num_tokens, num_documents}],
+                            plus the writer's extra keys (`kiln prepare`: sources, prepare, val)
     tokenizer.json          copy of the tokenizer that produced the tokens
     shard_00000.bin         raw token array (uint16 or uint32, little-endian), np.memmap-able
     shard_00000.docs.npy    uint64 start offset of every document within the shard
@@ -32,6 +33,9 @@ FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_SHARD_TOKENS = 64 * 2**20
+# Tokens at each end of a shard whose ids are checked against the vocabulary when it is opened.
+CHECK_TOKENS = 2**16
+REMAKE = "re-create it with `kiln prepare ... --overwrite`"
 INDEX_KEYS = ("dtype", "vocab_size", "eos_id", "tokenizer_sha256", "num_tokens", "shards")
 SHARD_KEYS = ("file", "docs_file", "num_tokens", "num_documents")
 
@@ -66,6 +70,7 @@ class ShardWriter:
         *,
         shard_tokens: int = DEFAULT_SHARD_TOKENS,
         overwrite: bool = False,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         if shard_tokens <= 0:
             raise KilnError(f"shard_tokens must be positive, got {shard_tokens}")
@@ -73,13 +78,15 @@ class ShardWriter:
         self.tokenizer_path = Path(tokenizer_path)
         self.shard_tokens = shard_tokens
         self.overwrite = overwrite
+        # Extra index keys; may be filled in until the `with` block ends.
+        self.metadata = dict(metadata or {})
         tokenizer = load_tokenizer(self.tokenizer_path)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = eos_id(tokenizer)
         self.dtype = token_dtype(self.vocab_size)
         self.num_tokens = 0
         self.num_documents = 0
-        self._check_output_free()
+        check_output_free(self.path, overwrite)
         self._tmp: Path | None = None
         self._shards: list[dict[str, Any]] = []
         self._file: BinaryIO | None = None
@@ -89,6 +96,14 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         self._tmp = _make_sibling_dir(self.path, "tmp")
         return self
+
+    @property
+    def staging_dir(self) -> Path:
+        """The temporary directory that becomes `path`: a nested dataset written here is
+        published together with this one."""
+        if self._tmp is None:
+            raise RuntimeError("staging_dir exists only inside `with ShardWriter(...)`")
+        return self._tmp
 
     def __exit__(
         self,
@@ -127,19 +142,6 @@ class ShardWriter:
         self._shard_len += added
         self.num_tokens += added
         self.num_documents += 1
-
-    def _check_output_free(self) -> None:
-        if _is_occupied(self.path) and not self.overwrite:
-            raise DatasetExistsError(
-                f"output directory {self.path} already exists and is not empty; "
-                "choose another output or pass overwrite=True (--overwrite) to replace it"
-            )
-        if _is_occupied(self.path) and not (self.path / INDEX_FILE).is_file():
-            # Refuse to delete something that is not a dataset, e.g. `--output .` by mistake.
-            raise KilnError(
-                f"refusing to overwrite {self.path}: it is not a kiln dataset (no {INDEX_FILE}); "
-                "choose an empty or new output directory"
-            )
 
     def _open_shard(self) -> None:
         self._close_shard()
@@ -180,6 +182,7 @@ class ShardWriter:
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
             "shards": self._shards,
+            **self.metadata,
         }
         (self._tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         self._publish()
@@ -188,7 +191,7 @@ class ShardWriter:
         """Move the finished temporary directory into place with one rename."""
         old = None
         if _is_occupied(self.path):
-            self._check_output_free()
+            check_output_free(self.path, self.overwrite)
             # Move the old dataset aside first: rename cannot replace a non-empty directory.
             old = _make_sibling_dir(self.path, "old")
             os.rename(self.path, old / "data")
@@ -205,10 +208,24 @@ class ShardWriter:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def check_output_free(path: Path, overwrite: bool) -> None:
+    """Raise unless a dataset may be written at `path`: new, empty, or a dataset to overwrite."""
+    if _is_occupied(path) and not overwrite:
+        raise DatasetExistsError(
+            f"output directory {path} already exists and is not empty; "
+            "choose another output or pass overwrite=True (--overwrite) to replace it"
+        )
+    if _is_occupied(path) and not (path / INDEX_FILE).is_file():
+        # Refuse to delete something that is not a dataset, e.g. `--output .` by mistake.
+        raise KilnError(
+            f"refusing to overwrite {path}: it is not a kiln dataset (no {INDEX_FILE}); "
+            "choose an empty or new output directory"
+        )
+
+
 def read_index(path: str | Path) -> dict[str, Any]:
     """Load and check `index.json` of a dataset directory; KilnError says how to fix a bad one."""
     path = Path(path)
-    remake = "re-create it with `kiln prepare ... --overwrite`"
     if not path.is_dir():
         raise KilnError(
             f"dataset directory not found: {path}; create one with `kiln prepare` "
@@ -223,21 +240,65 @@ def read_index(path: str | Path) -> dict[str, Any]:
     try:
         index = json.loads(index_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise KilnError(f"{index_path} is unreadable or corrupt ({e}); {remake}") from None
+        raise KilnError(f"{index_path} is unreadable or corrupt ({e}); {REMAKE}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
-        raise KilnError(f"{index_path} is not a kiln dataset index; {remake}")
+        raise KilnError(f"{index_path} is not a kiln dataset index; {REMAKE}")
     if index.get("version") != FORMAT_VERSION:
         raise KilnError(
             f"{path} uses dataset format version {index.get('version')}, this kiln reads "
-            f"version {FORMAT_VERSION}; {remake}"
+            f"version {FORMAT_VERSION}; {REMAKE}"
         )
     missing = [key for key in INDEX_KEYS if key not in index]
     missing += [key for shard in index.get("shards", []) for key in SHARD_KEYS if key not in shard]
     if missing:
         raise KilnError(
-            f"{index_path} is corrupt (missing {', '.join(sorted(set(missing)))}); {remake}"
+            f"{index_path} is corrupt (missing {', '.join(sorted(set(missing)))}); {REMAKE}"
         )
     return index
+
+
+def check_shard(path: Path, shard: dict[str, Any], dtype: np.dtype, vocab_size: int) -> None:
+    """Raise if a shard's files are missing, truncated, or hold ids outside the vocabulary."""
+    expected = shard["num_tokens"] * dtype.itemsize
+    file = path / shard["file"]
+    if not file.is_file() or file.stat().st_size != expected:
+        raise KilnError(
+            f"dataset {path}: shard {shard['file']} is missing or not {expected} bytes; {REMAKE}"
+        )
+    _check_docs_file(path, shard)
+    if shard["num_tokens"]:
+        _check_token_sample(path, shard, dtype, vocab_size)
+
+
+def _check_docs_file(path: Path, shard: dict[str, Any]) -> None:
+    file = path / shard["docs_file"]
+    count = shard["num_documents"]
+    try:
+        starts = np.load(file, mmap_mode="r")
+        valid = starts.shape == (count,) and starts.dtype == np.uint64
+        valid = valid and (count == 0 or (starts[0] == 0 and starts[-1] < shard["num_tokens"]))
+    except (OSError, ValueError, EOFError):  # EOFError: an empty file
+        valid = False
+    if not valid:
+        raise KilnError(
+            f"dataset {path}: {shard['docs_file']} is missing, truncated or does not match "
+            f"{INDEX_FILE} ({count} document starts expected); {REMAKE}"
+        )
+
+
+def _check_token_sample(
+    path: Path, shard: dict[str, Any], dtype: np.dtype, vocab_size: int
+) -> None:
+    # Only the ends of each shard: a full scan runs at about 2 GB/s from a local disk, on every
+    # rank at every start, which is too slow for large datasets. A wrong dtype, vocabulary or
+    # file shows in any window; corruption in the middle of a shard is not caught here.
+    tokens = np.memmap(path / shard["file"], dtype=dtype, mode="r")
+    largest = max(int(tokens[:CHECK_TOKENS].max()), int(tokens[-CHECK_TOKENS:].max()))
+    if largest >= vocab_size:
+        raise KilnError(
+            f"dataset {path}: shard {shard['file']} holds token id {largest}, outside the "
+            f"vocabulary of its tokenizer (vocab_size {vocab_size}); {REMAKE}"
+        )
 
 
 def _make_sibling_dir(path: Path, tag: str) -> Path:

@@ -1,33 +1,110 @@
-"""Open the training data a [data] section names, building the built-in corpus on first use."""
+"""Open the training data a [data] section names: one dataset or a mixture, each checked against
+the model and the configured tokenizer before training starts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.config.sections import DataConfig
+from kiln.config.sections import DataConfig, DatasetSource
 from kiln.data.dataset import TokenDataset
 from kiln.data.demo_corpus import ensure_demo_corpus
+from kiln.data.loader import ShuffledSamples, Source
 from kiln.data.tokenizer import tokenizer_hash
 from kiln.errors import ConfigError
 
 
-def open_training_data(cfg: DataConfig, *, seq_len: int, model_vocab_size: int) -> TokenDataset:
+def dataset_entries(cfg: DataConfig) -> list[DatasetSource]:
+    """The mixture's entries; a plain [data] section is a mixture of one named "data"."""
+    if cfg.datasets:
+        return cfg.datasets
+    return [
+        DatasetSource(
+            name="data",
+            source=cfg.source,
+            path=cfg.path,
+            text_key=cfg.text_key,
+            split=cfg.split,
+            streaming=cfg.streaming,
+        )
+    ]
+
+
+def open_training_data(
+    cfg: DataConfig, *, seq_len: int, model_vocab_size: int, seed: int, cache_dir: Path
+) -> list[Source]:
+    """Every dataset of the mixture, ready to sample. `cache_dir` holds Hugging Face datasets
+    tokenized at start-up (built by the caller's main rank first, see `prepare_hf_caches`)."""
     if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
         raise ConfigError(
             f"data.tokenizer: {cfg.tokenizer} not found; point it at a tokenizer.json or leave it empty"
         )
-    path = Path(cfg.path)
-    if cfg.source == "demo":
-        ensure_demo_corpus(path)
-    dataset = TokenDataset(path, seq_len)
+    sources, hashes = [], {}
+    for index, entry in enumerate(dataset_entries(cfg)):
+        if entry.source == "hf" and entry.streaming:
+            from kiln.data.hf_source import StreamingSamples
+
+            samples = StreamingSamples(entry, tokenizer_path=cfg.tokenizer, seq_len=seq_len)
+            sources.append(Source(entry.name, samples, samples.eos_id))
+            hashes[entry.name] = (tokenizer_hash(cfg.tokenizer), cfg.tokenizer)
+            continue
+        dataset = TokenDataset(_prepared_path(entry, cfg, cache_dir), seq_len)
+        _check_vocab(dataset, model_vocab_size)
+        if cfg.tokenizer and tokenizer_hash(cfg.tokenizer) != tokenizer_hash(
+            dataset.tokenizer_path
+        ):
+            raise ConfigError(
+                f"data.tokenizer {cfg.tokenizer} is not the tokenizer {dataset.path} was prepared "
+                "with; re-run `kiln prepare` with it or leave data.tokenizer empty"
+            )
+        hashes[entry.name] = (tokenizer_hash(dataset.tokenizer_path), dataset.path)
+        samples = ShuffledSamples(dataset, seed=seed + 1000 * index)
+        sources.append(Source(entry.name, samples, dataset.eos_id))
+    if len({digest for digest, _ in hashes.values()}) > 1:
+        listing = "; ".join(f"{name}: {where}" for name, (_, where) in hashes.items())
+        raise ConfigError(
+            f"the datasets of data.datasets were tokenized with different tokenizers ({listing}); "
+            "prepare them all with one tokenizer"
+        )
+    return sources
+
+
+def open_eval_data(cfg_path: str, data: DataConfig, *, seq_len: int) -> TokenDataset | None:
+    """The held-out dataset [eval] reads: eval.path, else the validation split `kiln prepare`
+    wrote next to a single prepared dataset; None when there is none."""
+    if cfg_path:
+        return TokenDataset(cfg_path, seq_len)
+    entries = dataset_entries(data)
+    if len(entries) == 1 and entries[0].source in ("prepared", "demo"):
+        val = Path(entries[0].path) / "val"
+        if (val / "index.json").is_file():
+            return TokenDataset(val, seq_len)
+    return None
+
+
+def ensure_local_data(cfg: DataConfig, cache_dir: Path) -> None:
+    """Build what training reads and is missing: the built-in corpus, Hugging Face datasets
+    tokenized into `cache_dir`. Run by one rank while the others wait."""
+    for entry in dataset_entries(cfg):
+        if entry.source == "demo":
+            ensure_demo_corpus(Path(entry.path))
+        elif entry.source == "hf" and not entry.streaming:
+            from kiln.data.hf_source import prepare_hf_cache
+
+            prepare_hf_cache(entry, tokenizer_path=cfg.tokenizer, cache_dir=cache_dir)
+
+
+def _prepared_path(entry: DatasetSource, cfg: DataConfig, cache_dir: Path) -> Path:
+    if entry.source == "hf":
+        from kiln.data.hf_source import hf_cache_path
+
+        return hf_cache_path(entry, tokenizer_path=cfg.tokenizer, cache_dir=cache_dir)
+    return Path(entry.path)
+
+
+def _check_vocab(dataset: TokenDataset, model_vocab_size: int) -> None:
     if dataset.vocab_size > model_vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({model_vocab_size}) is smaller than the vocabulary of the data's tokenizer "
-            f"({dataset.vocab_size}): set model.vocab_size >= {dataset.vocab_size}"
+            f"model.vocab_size ({model_vocab_size}) is smaller than the vocabulary of the "
+            f"tokenizer of {dataset.path} ({dataset.vocab_size}): set model.vocab_size >= "
+            f"{dataset.vocab_size}"
         )
-    if cfg.tokenizer and tokenizer_hash(cfg.tokenizer) != tokenizer_hash(dataset.tokenizer_path):
-        raise ConfigError(
-            f"data.tokenizer {cfg.tokenizer} is not the tokenizer {path} was prepared with; "
-            "re-run `kiln prepare` with it or leave data.tokenizer empty"
-        )
-    return dataset

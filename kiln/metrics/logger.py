@@ -40,6 +40,11 @@ class MetricsLogger:
             f"lr {r['lr']:.2e}",
             f"tok/s {r['tokens_per_sec']:,.0f}",
         ]
+        if r.get("eval/loss") is not None:
+            parts.append(f"eval {r['eval/loss']:.4f} (ppl {r['eval/perplexity']:.1f})")
+        per_dataset = [f"{k[5:]} {v:.3f}" for k, v in r.items() if k.startswith("loss/")]
+        if per_dataset:
+            parts.append("loss by dataset: " + ", ".join(per_dataset))
         if r.get("mfu") is not None:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         if r.get("peak_mem_gb") is not None:

@@ -1,4 +1,5 @@
-"""Grouped-query causal self-attention on scaled_dot_product_attention, with an optional KV cache."""
+"""Grouped-query causal self-attention on scaled_dot_product_attention, with an optional KV cache
+or a document mask (attention within each packed document, see document_mask.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config.sections import ModelConfig
+from kiln.model.document_mask import DocumentMask, masked_attention
 from kiln.model.kv_cache import KVCache
 from kiln.model.rope import apply_rope
 
@@ -29,6 +31,8 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None = None,
         layer: int = 0,
+        *,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
@@ -43,14 +47,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=_prefix_causal_mask(seq, start, q.device),
-            is_causal=start == 0,
-            enable_gqa=True,
-        )
+        if mask is not None:
+            out = masked_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=_prefix_causal_mask(seq, start, q.device),
+                is_causal=start == 0,
+                enable_gqa=True,
+            )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

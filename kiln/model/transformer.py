@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from kiln.config.sections import ModelConfig
 from kiln.model.attention import Attention
+from kiln.model.document_mask import DocumentMask, build_document_mask
 from kiln.model.feed_forward import FeedForward
 from kiln.model.kv_cache import KVCache
 from kiln.model.rope import rope_tables
@@ -25,8 +26,19 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        *,
+        mask: DocumentMask | None = None,
+    ) -> torch.Tensor:
+        # The mask goes by keyword: tensor parallel's PrepareModuleInput lays out the positional
+        # arguments of attention and passes keywords through untouched.
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -46,16 +58,28 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embeds_input = True
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab).
+
+        With `document_ids` (batch, seq) (see `document_mask.document_ids`), attention stays
+        inside each document; one mask serves every layer.
 
         A pipeline stage (see `parallel/pipeline.py`) holds some of the layers: a stage after the
         first takes the previous stage's hidden states instead of tokens, and a stage before the
         last returns hidden states instead of logits.
         """
+        if document_ids is not None and cache is not None:
+            raise ValueError("document_ids cannot be combined with a KV cache")
+        mask = build_document_mask(document_ids) if document_ids is not None else None
         h = self.tok_embeddings(x) if self.embeds_input else x
         for name, block in self.layers.items():
-            h = block(h, self.rope_cos, self.rope_sin, cache, int(name))
+            h = block(h, self.rope_cos, self.rope_sin, cache, int(name), mask=mask)
         if cache is not None:
             cache.advance(x.shape[1])
         if self.norm is None:

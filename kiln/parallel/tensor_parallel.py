@@ -36,6 +36,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(model, mesh, present)
     for block in model.layers.values():
         # Attention and feed-forward take the sequence-sharded residual stream and need it whole.
+        # The document mask comes as a keyword, which this passes through untouched: it covers
+        # whole sequences and all heads, so it is the same on every tp rank.
         gather_attention = PrepareModuleInput(
             input_layouts=(Shard(1), None, None, None, None),
             desired_input_layouts=(Replicate(), None, None, None, None),

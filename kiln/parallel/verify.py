@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
+from kiln.config.sections import DataConfig
 from kiln.errors import KilnError
 from kiln.parallel.pipeline_split import num_stages
 
@@ -42,7 +43,11 @@ def proxy_config(
     t.grad_accum_steps = min(t.grad_accum_steps, 4)
     t.mixed_precision = "fp32"
     proxy.scheduler.warmup_steps = 0
-    proxy.data.source, proxy.data.path, proxy.data.tokenizer = "demo", data_path, ""
+    # The built-in corpus as one dataset; document masking stays, as it changes the computation.
+    proxy.data = DataConfig(
+        source="demo", path=data_path, document_mask=cfg.data.document_mask, num_workers=0
+    )
+    proxy.eval.interval = 0
     proxy.checkpoint.dir, proxy.checkpoint.interval, proxy.checkpoint.save_final = "", 0, False
     proxy.checkpoint.resume, proxy.checkpoint.load_path = "never", ""
     proxy.metrics.run_dir, proxy.metrics.log_interval, proxy.metrics.plot = str(run_dir), 1, False

@@ -9,17 +9,27 @@ IGNORE_INDEX = -100
 
 
 def token_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, *, z_loss_weight: float = 0.0
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    z_loss_weight: float = 0.0,
+    per_row: bool = False,
 ) -> torch.Tensor:
-    """Sum over valid tokens of cross entropy (+ z_loss_weight · logsumexp², which keeps logits from drifting)."""
+    """Sum over valid tokens of cross entropy (+ z_loss_weight · logsumexp², which keeps logits
+    from drifting); with `per_row`, one sum per sequence (batch,), e.g. to split it by dataset."""
+    rows = labels.shape[0]
     logits = logits.flatten(0, -2).float()
     labels = labels.flatten()
-    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    reduction = "none" if per_row else "sum"
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction=reduction)
     if z_loss_weight > 0:
-        valid = labels != IGNORE_INDEX
-        z = torch.logsumexp(logits, dim=-1)
-        loss = loss + z_loss_weight * (z.square() * valid).sum()
-    return loss
+        z = torch.logsumexp(logits, dim=-1).square() * (labels != IGNORE_INDEX)
+        loss = loss + z_loss_weight * (z if per_row else z.sum())
+    return loss.view(rows, -1).sum(dim=1) if per_row else loss
+
+
+def count_valid_per_row(labels: torch.Tensor) -> torch.Tensor:
+    return (labels != IGNORE_INDEX).sum(dim=1)
 
 
 def count_valid(labels: torch.Tensor) -> torch.Tensor:

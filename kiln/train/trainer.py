@@ -16,18 +16,22 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from kiln.checkpoint import latest_complete, load_checkpoint, resolve_checkpoint, save_checkpoint
 from kiln.config import JobConfig, to_toml, validate
-from kiln.data.demo_corpus import ensure_demo_corpus
-from kiln.data.loader import BatchLoader
-from kiln.data.sources import open_training_data
+from kiln.data.dataset import TokenDataset
+from kiln.data.loader import BatchLoader, Source
+from kiln.data.mixture import lr_scale_at
+from kiln.data.sources import ensure_local_data, open_eval_data, open_training_data
 from kiln.errors import ConfigError
 from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics, warn
 from kiln.metrics.mfu import mfu, peak_flops
 from kiln.metrics.plot import plot_loss_curve
 from kiln.model import build_model, flops_per_token, materialize
+from kiln.model.document_mask import document_ids
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import init_parallel
 from kiln.parallel.pipeline import TiedEmbedding, build_schedule
+from kiln.train.dataset_losses import DatasetLosses
+from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
 from kiln.train.loss import count_valid, token_loss_sum
 from kiln.train.optimizer import build_optimizer
@@ -53,7 +57,7 @@ class Trainer:
         self._check_checkpoint_sources()  # before anything is built or written
         self.parallel = init_parallel(cfg.distributed, pick_device(cfg.train.device))
         self.device = self.parallel.device
-        self.dataset = self._open_data()
+        self.sources, self.eval_data = self._open_data()
         self.grad_scale = gradient_average_compensation(self.parallel.fsdp_mesh())
         pipelined = self.parallel.degrees["pp"] > 1
         # per_step: gradients of all micro-batches accumulate unsharded and are reduced once.
@@ -80,12 +84,22 @@ class Trainer:
             )
             self._loss_sums: dict[int, torch.Tensor] = {}
         self.loader = BatchLoader(
-            self.dataset,
+            self.sources,
+            cfg.data,
             seed=cfg.train.seed,
             batch_size=cfg.train.batch_size,
             grad_accum_steps=cfg.train.grad_accum_steps,
             data_ranks=self.parallel.data_ranks,
             data_rank=self.parallel.data_rank,
+            num_workers=cfg.data.num_workers,
+            prefetch_steps=cfg.data.prefetch_steps,
+            pin_memory=self.device.type == "cuda",
+        )
+        # A mixture logs each dataset's loss: the loss is then kept per sequence.
+        self.dataset_losses = (
+            DatasetLosses([source.name for source in self.sources], self.device)
+            if len(self.sources) > 1
+            else None
         )
         self.step = 0
         self.tokens_seen = 0
@@ -115,13 +129,26 @@ class Trainer:
         while self.step < cfg.train.max_steps:
             loss, grad_norm, lr, tokens = self.train_step()
             window.add(loss, tokens)
-            if self.step % cfg.metrics.log_interval == 0 or self.step in (1, cfg.train.max_steps):
+            run_eval = cfg.eval.interval and self.step % cfg.eval.interval == 0
+            if (
+                self.step % cfg.metrics.log_interval == 0
+                or self.step in (1, cfg.train.max_steps)
+                or run_eval
+            ):
                 loss_avg = (
                     window.mean_loss()
                 )  # syncs with the device, so the elapsed time is honest
                 record = self._record(
                     loss.item(), loss_avg, grad_norm.item(), lr, window.tokens_per_sec()
                 )
+                if self.dataset_losses is not None:
+                    record |= self.dataset_losses.reduce(
+                        data_group=self.parallel.data_group(), pipeline_group=self.pipeline_group
+                    )
+                if run_eval:
+                    started = time.perf_counter()
+                    record |= self.evaluate()
+                    window.start += time.perf_counter() - started  # not training time
                 if main:
                     logger.log(record)
                 records.append(record)
@@ -155,31 +182,23 @@ class Trainer:
         print(" | ".join(lines), flush=True)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-        micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in self.loader.next_step()]
+        batch = self.loader.next_step()
+        micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in batch.micro_batches]
         # Normalize by the valid tokens of the whole optimizer step, counted before any backward,
         # so every grad-accumulation split computes the gradient of the same loss.
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
         valid = _sum_over(
             sum(count_valid(labels) for _, labels in micro_batches), self.parallel.data_group()
         )
-        self._valid = valid = valid.clamp(min=1)
+        valid = valid.clamp(min=1)
         total = torch.zeros((), device=self.device)
         for index, (inputs, labels) in enumerate(micro_batches):
-            if self.pipeline is not None:
-                total += self._pipeline_pass(inputs, labels)
-                continue
-            model = self.model_parts[0]
             if self.defer_grad_reduce:
-                model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            # Under tensor parallel the logits stay vocabulary-sharded into the loss.
-            with self.loss_context():
-                with self.autocast:
-                    logits = model(inputs)
-                loss_sum = token_loss_sum(
-                    logits, labels, z_loss_weight=self.cfg.train.z_loss_weight
-                )
-                (loss_sum * self.grad_scale / valid).backward()
-            total += _full(loss_sum.detach())
+                self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
+            losses = self._forward_backward(inputs, labels, scale=self.grad_scale / valid)
+            total += losses.sum()
+            if self.dataset_losses is not None:
+                self.dataset_losses.add(losses, labels, batch.dataset_ids[index])
         if self.tied is not None:
             self.tied.sync_grads()
         grad_norm = clip_grad_norm(
@@ -188,8 +207,10 @@ class Trainer:
             pipeline_group=self.pipeline_group,
             duplicates=self.tied.duplicates if self.tied is not None else (),
         )
-        lr = self.cfg.optimizer.lr * lr_factor(
-            self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps
+        lr = (
+            self.cfg.optimizer.lr
+            * lr_factor(self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps)
+            * lr_scale_at(self.cfg.data, self.step)
         )
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
@@ -203,44 +224,111 @@ class Trainer:
         total = _sum_over(total, self.pipeline_group)
         return _sum_over(total, self.parallel.data_group()) / valid, grad_norm, lr, tokens
 
-    def _pipeline_pass(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch through the pipeline schedule, which splits it into
-        micro-batches; returns the token-loss sum on the last stage's ranks, zero elsewhere."""
+    def evaluate(self) -> dict[str, float]:
+        loader = eval_loader(
+            self.eval_data,
+            document_mask=self.cfg.data.document_mask,
+            batch_size=self.cfg.eval.batch_size or self.cfg.train.batch_size,
+            data_ranks=self.parallel.data_ranks,
+            data_rank=self.parallel.data_rank,
+        )
+        return evaluate(
+            loader,
+            steps=self.cfg.eval.steps,
+            forward=lambda inputs, labels: self._forward_backward(inputs, labels, scale=None),
+            device=self.device,
+            data_group=self.parallel.data_group(),
+            pipeline_group=self.pipeline_group,
+        )
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Token-loss sum of one batch (per sequence when the loss is split by dataset), with the
+        backward of loss_sum · scale; `scale` None: forward only (eval). Under pipeline parallel
+        the loss lives on the last stage's ranks and is zero elsewhere."""
+        if self.pipeline is not None:
+            return self._pipeline_pass(inputs, labels, scale=scale)
+        kwargs = {}
+        if self.cfg.data.document_mask:
+            kwargs["document_ids"] = document_ids(inputs, self.sources[0].eos_id)
+        # Under tensor parallel the logits stay vocabulary-sharded into the loss.
+        with self.loss_context():
+            with self.autocast:
+                logits = self.model_parts[0](inputs, **kwargs)
+            losses = self._loss(logits, labels)
+            if scale is not None:
+                (losses.sum() * scale).backward()
+        return _full(losses.detach())
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(
+            logits,
+            labels,
+            z_loss_weight=self.cfg.train.z_loss_weight,
+            per_row=self.dataset_losses is not None,
+        )
+
+    def _pipeline_pass(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One batch through the pipeline schedule, which splits it into micro-batches."""
         self._loss_sums.clear()
+        self._loss_scale = scale if scale is not None else torch.ones((), device=self.device)
         losses: list[torch.Tensor] = []
         first_stage = any(part.embeds_input for part in self.model_parts)
+        run = self.pipeline.step if scale is not None else self.pipeline.eval
         with self.loss_context(), self.autocast:
-            self.pipeline.step(
+            run(
                 *((inputs,) if first_stage else ()),
                 target=labels,
                 losses=losses,
                 return_outputs=False,
             )
         if not losses:
-            return torch.zeros((), device=self.device)
+            shape = labels.shape[:1] if self.dataset_losses is not None else ()
+            return torch.zeros(shape, device=self.device)
         # `losses` holds exactly this pass's micro-batch losses (the first pass also runs the loss
-        # once more to infer shapes); each maps back to its unnormalized sum.
-        return _full(torch.stack([self._loss_sums[id(loss)] for loss in losses]).sum())
+        # once more to infer shapes); each maps back to its unnormalized sum, in batch order.
+        sums = [self._loss_sums[id(loss)] for loss in losses]
+        return _full(
+            torch.cat(sums) if self.dataset_losses is not None else torch.stack(sums).sum()
+        )
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one micro-batch, normalized like the unpipelined step's."""
-        loss_sum = token_loss_sum(logits, labels, z_loss_weight=self.cfg.train.z_loss_weight)
-        loss = loss_sum * self.grad_scale / self._valid
-        self._loss_sums[id(loss)] = loss_sum.detach()
+        losses = self._loss(logits, labels)
+        loss = losses.sum() * self._loss_scale
+        self._loss_sums[id(loss)] = losses.detach()
         return loss
 
-    def _open_data(self):
-        # One rank builds a missing built-in corpus while the others wait; then every rank opens
-        # the data itself, so a bad path fails on all ranks at once instead of hanging the rest.
-        if self.cfg.data.source == "demo" and self.parallel.world_size > 1:
-            if self.parallel.is_main:
-                ensure_demo_corpus(Path(self.cfg.data.path))
+    def _open_data(self) -> tuple[list[Source], TokenDataset | None]:
+        # One rank builds what is missing (the built-in corpus, tokenized Hugging Face datasets)
+        # while the others wait; then every rank opens the data itself, so a bad path fails on
+        # all ranks at once instead of hanging the rest.
+        cache_dir = self.run_dir / "data_cache"
+        if self.parallel.is_main:
+            ensure_local_data(self.cfg.data, cache_dir)
+        if self.parallel.world_size > 1:
             dist.barrier()
-        return open_training_data(
+        sources = open_training_data(
             self.cfg.data,
             seq_len=self.cfg.train.seq_len,
             model_vocab_size=self.cfg.model.vocab_size,
+            seed=self.cfg.train.seed,
+            cache_dir=cache_dir,
         )
+        eval_data = None
+        if self.cfg.eval.interval:
+            eval_data = open_eval_data(
+                self.cfg.eval.path, self.cfg.data, seq_len=self.cfg.train.seq_len
+            )
+            if eval_data is None:
+                raise ConfigError(
+                    "eval.interval is set but there is no held-out data: set eval.path to a "
+                    "prepared dataset, or prepare the training data with --val-fraction"
+                )
+        return sources, eval_data
 
     def save(self) -> Path:
         return save_checkpoint(
@@ -250,9 +338,16 @@ class Trainer:
             optimizer=self.optimizers,
             config=self.cfg,
             train_state={**self.loader.state_dict(), "tokens_seen": self.tokens_seen},
-            tokenizer_path=self.dataset.tokenizer_path,
+            tokenizer_path=self.tokenizer_path(),
             keep_last_n=self.cfg.checkpoint.keep_last_n,
         )
+
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer the data was made with, saved beside each checkpoint for export."""
+        if self.cfg.data.tokenizer:
+            return Path(self.cfg.data.tokenizer)
+        dataset = getattr(self.sources[0].samples, "dataset", None)
+        return dataset.tokenizer_path if dataset is not None else None
 
     def _check_checkpoint_sources(self) -> None:
         if self.cfg.checkpoint.load_path:

@@ -107,6 +107,18 @@ BAD_INPUTS = {
         ["train", DEBUG_CONFIG, "--data.tokenizer=no/tokenizer.json"],
         "data.tokenizer: no/tokenizer.json not found",
     ),
+    "vocabulary bigger than the model's": (
+        ["train", DEBUG_CONFIG, "--model.vocab_size=300"],
+        "model.vocab_size (300) is smaller than the vocabulary",
+    ),
+    "phase names an unknown dataset": (
+        ["check", DEBUG_CONFIG, "--data.phases=[{start_step = 5, weights = {web = 1.0}}]"],
+        "data.phases[0].weights names unknown datasets ['web']",
+    ),
+    "eval without held-out data": (
+        ["train", DEBUG_CONFIG, "--eval.interval=5"],
+        "eval.interval is set but there is no held-out data",
+    ),
     "run dir is a file": (
         ["train", DEBUG_CONFIG, "--metrics.run_dir=README", "--train.max_steps=6"],
         "README",

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kiln.config import load_config
+from kiln.data.loader import StepBatch
 from kiln.errors import ConfigError
 from kiln.train.trainer import Trainer
 from tests.conftest import DEBUG_CONFIG
@@ -36,11 +37,15 @@ def test_loss_is_normalized_by_the_valid_tokens_of_the_whole_step(debug_override
     """Masked tokens spread unevenly over micro-batches must not reweight the others."""
     whole = make_trainer(debug_overrides, "--train.batch_size=4", "--train.grad_accum_steps=1")
     split = make_trainer(debug_overrides, "--train.batch_size=1", "--train.grad_accum_steps=4")
-    ((inputs, labels),) = whole.loader.next_step()
+    batch = whole.loader.next_step()
+    ((inputs, labels),) = batch.micro_batches
     labels = labels.clone()
     labels[0, :100] = -100  # sample 0 mostly masked, the others not at all
-    whole.loader.next_step = lambda: [(inputs, labels)]
-    split.loader.next_step = lambda: [(inputs[i : i + 1], labels[i : i + 1]) for i in range(4)]
+    whole.loader.next_step = lambda: StepBatch([(inputs, labels)], batch.dataset_ids)
+    split.loader.next_step = lambda: StepBatch(
+        [(inputs[i : i + 1], labels[i : i + 1]) for i in range(4)],
+        [ids[i : i + 1] for ids in batch.dataset_ids for i in range(4)],
+    )
     loss_a, norm_a, _, _ = whole.train_step()
     loss_b, norm_b, _, _ = split.train_step()
     assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-6)

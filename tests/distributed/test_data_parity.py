@@ -1,0 +1,63 @@
+"""A data mixture with a phase, document masking and eval, trained by one process and by two
+data-parallel ranks, and resumed from the two-rank checkpoint by one process: the same losses
+(per dataset and held-out too) step by step."""
+
+import pytest
+
+from tests.distributed.parity import (
+    TOLERANCE,
+    assert_parity,
+    keep_only_first_checkpoint,
+    records,
+    train,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def mixture_overrides(demo_data):
+    datasets = (
+        f'[{{name = "web", path = "{demo_data}", weight = 3.0}}, '
+        f'{{name = "code", path = "{demo_data}", weight = 1.0}}]'
+    )
+    return [
+        "--train.batch_size=8",
+        f"--data.datasets={datasets}",
+        "--data.phases=[{start_step = 6, weights = {code = 1.0}, lr_scale = 0.5}]",
+        "--data.document_mask=true",
+        "--data.num_workers=1",
+        "--eval.interval=5",
+        "--eval.steps=2",
+        f"--eval.path={demo_data}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, demo_data):
+    base = tmp_path_factory.mktemp("data_reference")
+    return records(train(base, "one", demo_data, 1, *mixture_overrides(demo_data)))
+
+
+def assert_same_data_metrics(got, expected, steps):
+    for step in steps:
+        keys = [k for k in expected[step] if k.startswith(("loss/", "eval/"))]
+        assert keys == [k for k in got[step] if k.startswith(("loss/", "eval/"))]
+        for key in keys:
+            a, b = got[step][key], expected[step][key]
+            assert abs(a - b) <= TOLERANCE * abs(b), f"step {step} {key}: {a} vs {b}"
+
+
+def test_mixture_two_ranks_then_resume_in_one(tmp_path, demo_data, one_process):
+    overrides = mixture_overrides(demo_data)
+    two = train(tmp_path, "two", demo_data, 2, "--distributed.dp_shard=2", *overrides)
+    got = records(two)
+    assert_parity(got, one_process)
+    assert_same_data_metrics(got, one_process, steps=range(1, 11))
+    assert {"loss/web", "loss/code", "eval/loss", "eval/perplexity"} <= set(got[5])
+    assert "loss/web" not in got[7]  # from step 6 the phase reads code only
+    assert got[7]["lr"] < got[5]["lr"] * 0.75  # and halves the learning rate
+
+    keep_only_first_checkpoint(two)
+    resumed = records(train(tmp_path, "two", demo_data, 1, *overrides))
+    assert_parity(resumed, one_process, steps=range(6, 11))
+    assert_same_data_metrics(resumed, one_process, steps=range(6, 11))

@@ -1,0 +1,140 @@
+"""The loader: mixtures and phases as functions of the global sample index, worker processes,
+exact resume, and resuming with a different number of data-parallel ranks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.config.sections import DataConfig, DataPhase, DatasetSource
+from kiln.data import ShardWriter, TokenDataset, train_bpe_tokenizer
+from kiln.data.loader import BatchLoader, ShuffledSamples, Source
+from kiln.data.mixture import (
+    choose_datasets,
+    lr_scale_at,
+    probabilities_at,
+    within_dataset_indices,
+)
+from kiln.train.loss import IGNORE_INDEX
+
+SEQ = 8
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[str, TokenDataset]:
+    root = tmp_path_factory.mktemp("mix")
+    tokenizer = root / "tokenizer.json"
+    train_bpe_tokenizer(["a few words of text"] * 4, vocab_size=300).save(str(tokenizer))
+    out = {}
+    for seed, name in enumerate(("web", "code")):
+        rng = np.random.default_rng(seed)
+        with ShardWriter(root / name, tokenizer, shard_tokens=64) as writer:
+            for _ in range(60):
+                writer.add_document(rng.integers(3, 259, size=int(rng.integers(1, 12))).tolist())
+        out[name] = TokenDataset(root / name, SEQ)
+    return out
+
+
+def mixture(weights=(3.0, 1.0), **kwargs) -> DataConfig:
+    entries = [
+        DatasetSource(name=name, path=name, weight=w)
+        for name, w in zip(("web", "code"), weights, strict=True)
+    ]
+    return DataConfig(datasets=entries, **kwargs)
+
+
+def sources(datasets, cfg: DataConfig) -> list[Source]:
+    return [
+        Source(e.name, ShuffledSamples(datasets[e.name], seed=i), datasets[e.name].eos_id)
+        for i, e in enumerate(cfg.datasets)
+    ]
+
+
+def loader(datasets, cfg, **kwargs) -> BatchLoader:
+    kwargs = {"seed": 5, "batch_size": 2, "grad_accum_steps": 1, **kwargs}
+    return BatchLoader(sources(datasets, cfg), cfg, **kwargs)
+
+
+def run(loaders: list[BatchLoader], steps: int) -> list[list[tuple[int, int, int]]]:
+    """Per step, the sample ids every rank read, sorted by global index."""
+    return [sorted(s for ld in loaders for s in ld.next_step().sample_ids) for _ in range(steps)]
+
+
+def test_mixture_follows_weights_temperature_and_phases():
+    cfg = mixture(temperature=2.0, phases=[DataPhase(start_step=10, weights={"code": 1.0})])
+    assert probabilities_at(cfg, 0) == pytest.approx([3**0.5 / (3**0.5 + 1), 1 / (3**0.5 + 1)])
+    assert probabilities_at(cfg, 10).tolist() == [0.0, 1.0]  # unnamed datasets get weight 0
+    choices = choose_datasets(0, 0, 20_000, probabilities_at(mixture(), 0))
+    assert np.mean(choices == 0) == pytest.approx(0.75, abs=0.01)
+    cfg.phases.append(DataPhase(start_step=20, weights={"web": 1.0}, lr_scale=0.1))
+    assert [lr_scale_at(cfg, s) for s in (0, 10, 25)] == [1.0, 1.0, 0.1]
+
+
+def test_choice_of_a_sample_depends_on_its_index_alone():
+    p = np.array([0.5, 0.3, 0.2])
+    whole = choose_datasets(1, 0, 10_000, p)
+    pieces = np.concatenate([choose_datasets(1, s, 7, p) for s in range(0, 10_003, 7)])
+    assert np.array_equal(whole, pieces[:10_000])
+
+
+def test_within_dataset_indices_count_per_dataset():
+    got = within_dataset_indices(np.array([1, 0, 1, 1, 0]), np.array([10, 20]))
+    assert got.tolist() == [20, 10, 21, 22, 11]
+
+
+def test_resume_with_fewer_data_ranks_continues_at_the_same_global_sample(datasets):
+    cfg = mixture()
+    reference = run([loader(datasets, cfg, batch_size=8)], 8)
+    four = [loader(datasets, cfg, data_ranks=4, data_rank=r) for r in range(4)]
+    first = run(four, 3)
+    states = [ld.state_dict() for ld in four]
+    assert all(state == states[0] for state in states)
+    two = [
+        loader(datasets, cfg, batch_size=2, grad_accum_steps=2, data_ranks=2, data_rank=r)
+        for r in range(2)
+    ]
+    for ld in two:
+        ld.load_state_dict(states[0])
+    assert first + run(two, 5) == reference
+    ids = [(d, k) for step in reference for _, d, k in step]
+    assert len(set(ids)) == len(ids)  # within the first epoch no sample repeats
+    assert Counter(d for d, _ in ids)[0] > Counter(d for d, _ in ids)[1]
+
+
+def test_workers_prefetch_and_resume_exactly(datasets):
+    cfg = mixture(phases=[DataPhase(start_step=2, weights={"code": 1.0})])
+    straight = loader(datasets, cfg, num_workers=2, prefetch_steps=3)
+    expected = [straight.next_step() for _ in range(6)]
+    first = loader(datasets, cfg, num_workers=2, prefetch_steps=3)
+    for _ in range(3):
+        first.next_step()  # the workers have read further ahead than this
+    resumed = loader(datasets, cfg, num_workers=0)
+    resumed.load_state_dict(first.state_dict())
+    for want in expected[3:]:
+        got = resumed.next_step()
+        assert got.sample_ids == want.sample_ids
+        for (x, y), (wx, wy) in zip(got.micro_batches, want.micro_batches, strict=True):
+            assert torch.equal(x, wx) and torch.equal(y, wy)
+    assert {d for _, d, _ in expected[4].sample_ids} == {1}  # the phase switched to code only
+
+
+def test_single_dataset_checkpoint_state_loads(datasets):
+    cfg = mixture(weights=(1.0, 0.0))
+    ld = loader(datasets, cfg)
+    ld.load_state_dict({"step": 4, "samples_seen": 8})  # what kiln wrote before mixtures
+    assert ld.state_dict()["dataset_counts"] == {"web": 8, "code": 0}
+    assert ld.next_step().sample_ids[0][0] == 8
+
+
+def test_document_mask_ignores_labels_that_cross_a_boundary(datasets):
+    cfg = mixture(weights=(1.0, 0.0), document_mask=True)
+    batch = loader(datasets, cfg, batch_size=16).next_step()
+    (inputs, labels), eos = batch.micro_batches[0], datasets["web"].eos_id
+    assert (inputs == eos).any()
+    assert (labels[inputs == eos] == IGNORE_INDEX).all()
+    assert (labels[inputs != eos] != IGNORE_INDEX).all()
+    plain = loader(datasets, mixture(weights=(1.0, 0.0)), batch_size=16).next_step()
+    assert (plain.micro_batches[0][1] != IGNORE_INDEX).all()
