@@ -105,11 +105,12 @@ class DataConfig:
 @dataclass
 class EvalConfig:
     # Every `interval` steps (0: never), `steps` batches of held-out data: eval/loss, perplexity.
+    # An eval batch is shaped like a training step (the same global batch, split the same way),
+    # so the samples read and the loss are the same whatever the layout.
     interval: int = 0
     steps: int = 10
     # A prepared dataset; empty: the validation split `kiln prepare` wrote at <data.path>/val.
     path: str = ""
-    batch_size: int = 0  # sequences per rank; 0: train.batch_size
 
 
 @dataclass

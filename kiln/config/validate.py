@@ -310,15 +310,10 @@ def _phase_problems(cfg: JobConfig, names: set[str]) -> list[str]:
 
 def _eval_problems(cfg: JobConfig) -> list[str]:
     e = cfg.eval
-    if e.interval < 0 or e.steps <= 0 or e.batch_size < 0:
+    if e.interval < 0 or e.steps <= 0:
         return [
-            f"eval.interval must be >= 0 (0: no eval), eval.steps > 0 and eval.batch_size >= 0 "
-            f"(0: train.batch_size), got {e.interval}, {e.steps} and {e.batch_size}"
-        ]
-    if cfg.distributed.pp > 1 and e.batch_size not in (0, cfg.train.batch_size):
-        return [
-            f"eval.batch_size = {e.batch_size} with distributed.pp > 1: the pipeline runs batches "
-            f"of train.batch_size = {cfg.train.batch_size}; set eval.batch_size = 0"
+            f"eval.interval must be >= 0 (0: no eval) and eval.steps > 0, got {e.interval} and "
+            f"{e.steps}"
         ]
     return []
 

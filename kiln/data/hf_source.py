@@ -20,68 +20,19 @@ from typing import Any
 import numpy as np
 
 from kiln.config.sections import DatasetSource
-from kiln.data.prepare import batched_texts, tokenize_batches
+from kiln.data.hf_datasets import check_text_column, dataset_texts, open_hf_dataset
 from kiln.data.shards import ShardWriter
+from kiln.data.tokenize import batched_texts, tokenize_batches
 from kiln.data.tokenizer import encode_ids, eos_id, load_tokenizer, tokenizer_hash
 from kiln.errors import KilnError
 
-HF_PREFIX = "hf:"
 ENCODE_BATCH = 256
-
-
-def open_hf_dataset(spec: str, *, split: str, streaming: bool = False) -> Any:
-    """A `datasets` split from a `save_to_disk` folder or the local cache (`hf:NAME[:CONFIG]`)."""
-    try:
-        import datasets
-    except ImportError:
-        raise KilnError(
-            f"reading the Hugging Face dataset {spec} needs `datasets`: pip install datasets"
-        ) from None
-    if spec.startswith(HF_PREFIX):
-        name, _, config = spec[len(HF_PREFIX) :].partition(":")
-        os.environ["HF_DATASETS_OFFLINE"] = "1"  # the cache or nothing: never the network
-        try:
-            return datasets.load_dataset(name, config or None, split=split, streaming=streaming)
-        except Exception as e:
-            raise KilnError(
-                f"{spec}: not found in the local Hugging Face cache ({_first_line(e)}); kiln never "
-                "downloads at run time: download it beforehand or point to a save_to_disk folder"
-            ) from None
-    path = Path(spec)
-    if not path.is_dir():
-        raise KilnError(f"Hugging Face dataset folder not found: {path}")
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except Exception as e:
-        raise KilnError(
-            f"{path} is not a dataset written by save_to_disk ({_first_line(e)})"
-        ) from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise KilnError(f"{path} has no split {split!r} (splits: {', '.join(loaded)})")
-        loaded = loaded[split]
-    return loaded.to_iterable_dataset() if streaming else loaded
-
-
-def hf_texts(dataset: Any, *, text_key: str, where: str, skip: int = 0) -> Iterator[str]:
-    """The text column, document by document, from document `skip` on (empty texts kept, so
-    document numbers match the dataset's rows)."""
-    columns = dataset.column_names
-    if columns is not None and text_key not in columns:
-        raise KilnError(
-            f"{where} has no column {text_key!r} (columns: {', '.join(columns)}); set text_key "
-            "to the column that holds the text"
-        )
-    rows = dataset.skip(skip) if skip else dataset
-    for row in rows:
-        text = row[text_key]
-        yield text if isinstance(text, str) else ""
 
 
 def hf_cache_path(entry: DatasetSource, *, tokenizer_path: str, cache_dir: Path) -> Path:
     """Where the eager tokenization of `entry` lives: keyed by the data, split, column and
     tokenizer, so a change of any of them tokenizes again."""
-    dataset = open_hf_dataset(entry.path, split=entry.split)
+    dataset = open_hf_dataset(entry.path, entry.split)
     key = json.dumps(
         [
             entry.path,
@@ -100,8 +51,9 @@ def prepare_hf_cache(entry: DatasetSource, *, tokenizer_path: str, cache_dir: Pa
     output = hf_cache_path(entry, tokenizer_path=tokenizer_path, cache_dir=cache_dir)
     if (output / "index.json").is_file():
         return output
-    dataset = open_hf_dataset(entry.path, split=entry.split)
-    texts = (t for t in hf_texts(dataset, text_key=entry.text_key, where=entry.path) if t)
+    dataset = open_hf_dataset(entry.path, entry.split)
+    check_text_column(dataset, entry.text_key, entry.path)
+    texts = (text for text in dataset_texts(dataset, entry.text_key) if text)
     print(f"kiln: tokenizing {entry.path} ({entry.split}) into {output}", flush=True)
     with ShardWriter(output, tokenizer_path) as writer:
         for documents, _ in tokenize_batches(
@@ -168,11 +120,12 @@ class StreamingSamples:
             ) from None
 
     def _read_documents(self, *, start: int) -> Iterator[np.ndarray]:
-        dataset = open_hf_dataset(self.entry.path, split=self.entry.split, streaming=True)
-        texts = hf_texts(dataset, text_key=self.entry.text_key, where=self.entry.path, skip=start)
+        dataset = open_hf_dataset(self.entry.path, self.entry.split)
+        check_text_column(dataset, self.entry.text_key, self.entry.path)
         batch: list[str] = []
-        for text in texts:
-            batch.append(text)
+        # Empty rows stay (as empty documents), so document numbers are the dataset's rows.
+        for text in dataset_texts(dataset, self.entry.text_key, start=start):
+            batch.append(text or "")
             if len(batch) == ENCODE_BATCH:
                 yield from self._encode(batch)
                 batch = []
@@ -184,8 +137,3 @@ class StreamingSamples:
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a streaming source is read in the training process only")
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

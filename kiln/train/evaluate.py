@@ -19,17 +19,20 @@ def eval_loader(
     *,
     document_mask: bool,
     batch_size: int,
+    grad_accum_steps: int,
     data_ranks: int,
     data_rank: int,
 ) -> BatchLoader:
-    """Reads the held-out samples in order from the first, each data rank its slice."""
+    """Reads the held-out samples in order from the first, in batches shaped like a training
+    step (micro-batches of `batch_size` per data rank), so the samples are the same whatever the
+    layout."""
     source = Source("eval", ShuffledSamples(dataset, seed=0, shuffle=False), dataset.eos_id)
     return BatchLoader(
         [source],
         DataConfig(document_mask=document_mask),
         seed=0,
         batch_size=batch_size,
-        grad_accum_steps=1,
+        grad_accum_steps=grad_accum_steps,
         data_ranks=data_ranks,
         data_rank=data_rank,
     )

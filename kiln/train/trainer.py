@@ -228,7 +228,8 @@ class Trainer:
         loader = eval_loader(
             self.eval_data,
             document_mask=self.cfg.data.document_mask,
-            batch_size=self.cfg.eval.batch_size or self.cfg.train.batch_size,
+            batch_size=self.cfg.train.batch_size,
+            grad_accum_steps=self.cfg.train.grad_accum_steps,
             data_ranks=self.parallel.data_ranks,
             data_rank=self.parallel.data_rank,
         )

@@ -16,7 +16,7 @@ import pytest
 
 from kiln.cli import main
 from kiln.data import TokenDataset, load_tokenizer, prepare_dataset, read_index
-from kiln.data import prepare as prepare_module
+from kiln.data import tokenize as tokenize_module
 from kiln.data.shards import token_dtype
 from kiln.data.tokenizer import train_bpe_tokenizer
 from kiln.errors import KilnError
@@ -229,7 +229,7 @@ def test_rerun_on_a_damaged_dataset_says_so(tmp_path: Path, tokenizer_file: Path
 def test_val_split_is_deterministic_and_complete(
     tmp_path: Path, tokenizer_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(prepare_module, "BATCH_DOCUMENTS", 32)  # several batches in flight
+    monkeypatch.setattr(tokenize_module, "BATCH_DOCUMENTS", 32)  # several batches in flight
     texts = [f"document {i}: {TEXTS[i % len(TEXTS)]}" for i in range(300)]
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     outs = [
@@ -341,7 +341,7 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS * 300])
     old = prepare([tmp_path / "in.jsonl"], tokenizer_file, tmp_path / "out", shard_tokens=500)
     before = file_times(old)
-    encode = prepare_module.encode_texts
+    encode = tokenize_module.encode_texts
     calls = []
 
     def fail_on_third_batch(*args):
@@ -350,8 +350,8 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(
             raise error("stopped midway")
         return encode(*args)
 
-    monkeypatch.setattr(prepare_module, "encode_texts", fail_on_third_batch)
-    monkeypatch.setattr(prepare_module, "BATCH_DOCUMENTS", 100)
+    monkeypatch.setattr(tokenize_module, "encode_texts", fail_on_third_batch)
+    monkeypatch.setattr(tokenize_module, "BATCH_DOCUMENTS", 100)
     for output, overwrite in ((tmp_path / "new", False), (old, True)):
         calls.clear()
         with pytest.raises(error):
