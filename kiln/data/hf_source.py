@@ -74,6 +74,7 @@ class StreamingSamples:
         self.entry, self.seq_len = entry, seq_len
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.eos_id = eos_id(self.tokenizer)
+        self.vocab_size = self.tokenizer.get_vocab_size()
         self.seek(None)
 
     def seek(self, state: dict[str, int] | None) -> None:
@@ -123,7 +124,8 @@ class StreamingSamples:
         dataset = open_hf_dataset(self.entry.path, self.entry.split)
         check_text_column(dataset, self.entry.text_key, self.entry.path)
         batch: list[str] = []
-        # Empty rows stay (as empty documents), so document numbers are the dataset's rows.
+        # Empty rows stay, as documents of no tokens (not even an EOS, as `kiln prepare` drops
+        # them), so document numbers are the dataset's row numbers.
         for text in dataset_texts(dataset, self.entry.text_key, start=start):
             batch.append(text or "")
             if len(batch) == ENCODE_BATCH:
@@ -132,8 +134,8 @@ class StreamingSamples:
         yield from self._encode(batch)
 
     def _encode(self, texts: list[str]) -> Iterator[np.ndarray]:
-        for ids in encode_ids(self.tokenizer, texts):
-            yield np.array([*ids, self.eos_id], dtype=np.int64)
+        for text, ids in zip(texts, encode_ids(self.tokenizer, texts), strict=True):
+            yield np.array([*ids, self.eos_id] if text else [], dtype=np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a streaming source is read in the training process only")

@@ -166,7 +166,7 @@ class BatchLoader:
             for m in range(self.grad_accum_steps)
             for j in range(self.batch_size)
         ]
-        streamed = self._read_streams(choices, within, set(rows))
+        streamed = self._read_streams(first, choices, within, {first + r for r in rows})
         after = {
             "step": state["step"] + 1,
             "samples_seen": first + n,
@@ -181,17 +181,18 @@ class BatchLoader:
         }
 
     def _read_streams(
-        self, choices: np.ndarray, within: np.ndarray, wanted: set[int]
+        self, first: int, choices: np.ndarray, within: np.ndarray, wanted: set[int]
     ) -> dict[int, np.ndarray]:
-        """Tokens of this rank's rows from streaming sources. Every rank reads every streamed
-        sample in order (keeping only its own), so all ranks' stream positions agree."""
+        """Tokens of this rank's samples from streaming sources, by global sample index. Every
+        rank reads every streamed sample in order (keeping only its own), so all ranks' stream
+        positions agree."""
         out = {}
-        for r, (d, k) in enumerate(zip(choices.tolist(), within.tolist(), strict=True)):
+        for g, (d, k) in enumerate(zip(choices.tolist(), within.tolist(), strict=True), first):
             samples = self.sources[d].samples
             if samples.streaming:
                 tokens = samples.take(k)
-                if r in wanted:
-                    out[r] = tokens
+                if g in wanted:
+                    out[g] = tokens
         return out
 
 
@@ -216,9 +217,10 @@ class _PlannedReader:
         self.sources, self.document_mask = sources, document_mask
 
     def __getitem__(self, plan: dict) -> dict[str, Any]:
+        streamed = plan["streamed"]
         rows = [
-            plan["streamed"][r] if r in plan["streamed"] else self.sources[d].samples.sample(k)
-            for r, (_, d, k) in enumerate(plan["rows"])
+            streamed[g] if g in streamed else self.sources[d].samples.sample(k)
+            for g, d, k in plan["rows"]
         ]
         tokens = torch.from_numpy(np.stack(rows)).view(plan["micro"], -1, rows[0].shape[0])
         datasets = torch.tensor([d for _, d, _ in plan["rows"]]).view(plan["micro"], -1)

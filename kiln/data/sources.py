@@ -33,7 +33,7 @@ def open_training_data(
     cfg: DataConfig, *, seq_len: int, model_vocab_size: int, seed: int, cache_dir: Path
 ) -> list[Source]:
     """Every dataset of the mixture, ready to sample. `cache_dir` holds Hugging Face datasets
-    tokenized at start-up (built by the caller's main rank first, see `prepare_hf_caches`)."""
+    tokenized at start-up (built by the main rank first, see `ensure_local_data`)."""
     if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
         raise ConfigError(
             f"data.tokenizer: {cfg.tokenizer} not found; point it at a tokenizer.json or leave it empty"
@@ -44,11 +44,12 @@ def open_training_data(
             from kiln.data.hf_source import StreamingSamples
 
             samples = StreamingSamples(entry, tokenizer_path=cfg.tokenizer, seq_len=seq_len)
+            _check_vocab(samples.vocab_size, model_vocab_size, where=cfg.tokenizer)
             sources.append(Source(entry.name, samples, samples.eos_id))
             hashes[entry.name] = (tokenizer_hash(cfg.tokenizer), cfg.tokenizer)
             continue
         dataset = TokenDataset(_prepared_path(entry, cfg, cache_dir), seq_len)
-        _check_vocab(dataset, model_vocab_size)
+        _check_vocab(dataset.vocab_size, model_vocab_size, where=dataset.path)
         if cfg.tokenizer and tokenizer_hash(cfg.tokenizer) != tokenizer_hash(
             dataset.tokenizer_path
         ):
@@ -101,10 +102,9 @@ def _prepared_path(entry: DatasetSource, cfg: DataConfig, cache_dir: Path) -> Pa
     return Path(entry.path)
 
 
-def _check_vocab(dataset: TokenDataset, model_vocab_size: int) -> None:
-    if dataset.vocab_size > model_vocab_size:
+def _check_vocab(vocab_size: int, model_vocab_size: int, *, where: str | Path) -> None:
+    if vocab_size > model_vocab_size:
         raise ConfigError(
             f"model.vocab_size ({model_vocab_size}) is smaller than the vocabulary of the "
-            f"tokenizer of {dataset.path} ({dataset.vocab_size}): set model.vocab_size >= "
-            f"{dataset.vocab_size}"
+            f"tokenizer of {where} ({vocab_size}): set model.vocab_size >= {vocab_size}"
         )
