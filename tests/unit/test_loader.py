@@ -3,6 +3,8 @@ exact resume, and resuming with a different number of data-parallel ranks."""
 
 from __future__ import annotations
 
+import functools
+import re
 from collections import Counter
 
 import numpy as np
@@ -18,6 +20,8 @@ from kiln.data.mixture import (
     probabilities_at,
     within_dataset_indices,
 )
+from kiln.data.sources import open_training_data
+from kiln.errors import ConfigError
 from kiln.train.loss import IGNORE_INDEX
 
 SEQ = 8
@@ -138,3 +142,27 @@ def test_document_mask_ignores_labels_that_cross_a_boundary(datasets):
     assert (labels[inputs != eos] != IGNORE_INDEX).all()
     plain = loader(datasets, mixture(weights=(1.0, 0.0)), batch_size=16).next_step()
     assert (plain.micro_batches[0][1] != IGNORE_INDEX).all()
+
+
+def test_opening_checks_tokenizers_across_the_mixture(datasets, tmp_path):
+    other = tmp_path / "other.json"
+    train_bpe_tokenizer(["quite different words here"] * 4, vocab_size=280).save(str(other))
+    with ShardWriter(tmp_path / "books", other) as writer:
+        writer.add_document(list(range(3, 40)))
+    web = datasets["web"].path
+    open_data = functools.partial(
+        open_training_data, seq_len=SEQ, model_vocab_size=512, seed=0, cache_dir=tmp_path
+    )
+    entries = [
+        DatasetSource(name="web", path=str(web)),
+        DatasetSource(name="books", path=str(tmp_path / "books")),
+    ]
+    with pytest.raises(
+        ConfigError, match=r"tokenized with different tokenizers \(web: .*; books: "
+    ):
+        open_data(DataConfig(datasets=entries))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{other} is not the tokenizer {web} was prepared")
+    ):
+        open_data(DataConfig(source="prepared", path=str(web), tokenizer=str(other)))
+    assert len(open_data(DataConfig(datasets=entries[:1], tokenizer=str(web / "tokenizer.json"))))
