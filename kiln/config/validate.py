@@ -280,12 +280,6 @@ def _data_problems(cfg: JobConfig) -> list[str]:
             f"data.num_workers must be >= 0 and data.prefetch_steps >= 1, got "
             f"{d.num_workers} and {d.prefetch_steps}"
         )
-    if d.document_mask and cfg.distributed.pp > 1:
-        p.append(
-            "data.document_mask = true with distributed.pp > 1: stages after the first do not see "
-            "the tokens that mark document boundaries in this version; use pp = 1 or "
-            "document_mask = false"
-        )
     return p
 
 

@@ -250,17 +250,20 @@ class Trainer:
         the loss lives on the last stage's ranks and is zero elsewhere."""
         if self.pipeline is not None:
             return self._pipeline_pass(inputs, labels, scale=scale)
-        kwargs = {}
-        if self.cfg.data.document_mask:
-            kwargs["document_ids"] = document_ids(inputs, self.sources[0].eos_id)
         # Under tensor parallel the logits stay vocabulary-sharded into the loss.
         with self.loss_context():
             with self.autocast:
-                logits = self.model_parts[0](inputs, **kwargs)
+                logits = self.model_parts[0](inputs, **self._model_kwargs(inputs))
             losses = self._loss(logits, labels)
             if scale is not None:
                 (losses.sum() * scale).backward()
         return _full(losses.detach())
+
+    def _model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.cfg.data.document_mask:
+            return {}
+        # A mixture's datasets share one tokenizer (checked at start-up), so one EOS id.
+        return {"document_ids": document_ids(inputs, self.sources[0].eos_id)}
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(
@@ -280,11 +283,14 @@ class Trainer:
         first_stage = any(part.embeds_input for part in self.model_parts)
         run = self.pipeline.step if scale is not None else self.pipeline.eval
         with self.loss_context(), self.autocast:
+            # Keyword arguments reach every stage (split into micro-batches like the inputs), so
+            # each stage builds the document mask from the tokens every rank has read.
             run(
                 *((inputs,) if first_stage else ()),
                 target=labels,
                 losses=losses,
                 return_outputs=False,
+                **self._model_kwargs(inputs),
             )
         if not losses:
             shape = labels.shape[:1] if self.dataset_losses is not None else ()

@@ -27,6 +27,7 @@ TIED2 = ("--model.n_layers=2", "--model.tie_embeddings=true")
 TIED4 = ("--model.n_layers=4", "--model.tie_embeddings=true")
 PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
 M2 = "--distributed.pp_microbatches=2"
+MASKED = (*L8, "--data.document_mask=true")
 
 VIRTUAL_STAGES = {
     "gpipe": 1,
@@ -109,6 +110,13 @@ LAYOUTS = {
         TIED2,
     ),
     "pp=2 zbv, tied embeddings on one rank": (2, ["--distributed.pp=2", *schedule("zbv")], TIED4),
+    # Every stage builds the document mask from the tokens: keyword arguments of the schedule.
+    "pp=2 1f1b, document mask": (2, ["--distributed.pp=2", *schedule("1f1b")], MASKED),
+    "pp=2 interleaved_1f1b x dp_shard=2, document mask": (
+        4,
+        ["--distributed.pp=2", *schedule("interleaved_1f1b"), "--train.batch_size=4"],
+        MASKED,
+    ),
 }
 
 
