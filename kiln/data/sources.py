@@ -38,6 +38,7 @@ def open_training_data(
         raise ConfigError(
             f"data.tokenizer: {cfg.tokenizer} not found; point it at a tokenizer.json or leave it empty"
         )
+    configured = tokenizer_hash(cfg.tokenizer) if cfg.tokenizer else None
     sources, hashes = [], {}
     for index, entry in enumerate(dataset_entries(cfg)):
         if entry.source == "hf" and entry.streaming:
@@ -46,18 +47,17 @@ def open_training_data(
             samples = StreamingSamples(entry, tokenizer_path=cfg.tokenizer, seq_len=seq_len)
             _check_vocab(samples.vocab_size, model_vocab_size, where=cfg.tokenizer)
             sources.append(Source(entry.name, samples, samples.eos_id))
-            hashes[entry.name] = (tokenizer_hash(cfg.tokenizer), cfg.tokenizer)
+            hashes[entry.name] = (configured, cfg.tokenizer)
             continue
         dataset = TokenDataset(_prepared_path(entry, cfg, cache_dir), seq_len)
         _check_vocab(dataset.vocab_size, model_vocab_size, where=dataset.path)
-        if cfg.tokenizer and tokenizer_hash(cfg.tokenizer) != tokenizer_hash(
-            dataset.tokenizer_path
-        ):
+        digest = tokenizer_hash(dataset.tokenizer_path)
+        if configured is not None and digest != configured:
             raise ConfigError(
                 f"data.tokenizer {cfg.tokenizer} is not the tokenizer {dataset.path} was prepared "
                 "with; re-run `kiln prepare` with it or leave data.tokenizer empty"
             )
-        hashes[entry.name] = (tokenizer_hash(dataset.tokenizer_path), dataset.path)
+        hashes[entry.name] = (digest, dataset.path)
         samples = ShuffledSamples(dataset, seed=seed + 1000 * index)
         sources.append(Source(entry.name, samples, dataset.eos_id))
     if len({digest for digest, _ in hashes.values()}) > 1:
@@ -69,17 +69,46 @@ def open_training_data(
     return sources
 
 
-def open_eval_data(cfg_path: str, data: DataConfig, *, seq_len: int) -> TokenDataset | None:
-    """The held-out dataset [eval] reads: eval.path, else the validation split `kiln prepare`
-    wrote next to a single prepared dataset; None when there is none."""
-    if cfg_path:
-        return TokenDataset(cfg_path, seq_len)
+def open_eval_data(
+    path: str,
+    data: DataConfig,
+    *,
+    seq_len: int,
+    model_vocab_size: int,
+    tokenizer_path: Path | None,
+) -> TokenDataset:
+    """The held-out dataset [eval] reads: `path` (eval.path), else the validation split
+    `kiln prepare` wrote next to a single prepared dataset. It must be tokenized like the
+    training data (`tokenizer_path`), or its loss would mean nothing."""
     entries = dataset_entries(data)
-    if len(entries) == 1 and entries[0].source in ("prepared", "demo"):
-        val = Path(entries[0].path) / "val"
-        if (val / "index.json").is_file():
-            return TokenDataset(val, seq_len)
-    return None
+    val = Path(entries[0].path) / "val"
+    if path:
+        dataset = TokenDataset(path, seq_len)
+    elif len(entries) == 1 and entries[0].source in ("prepared", "demo") and val.is_dir():
+        dataset = TokenDataset(val, seq_len)
+    else:
+        raise ConfigError(
+            "eval.interval is set but there is no held-out data: set eval.path to a prepared "
+            "dataset, or prepare the training data with --val-fraction"
+        )
+    _check_vocab(dataset.vocab_size, model_vocab_size, where=dataset.path)
+    if tokenizer_path is not None and tokenizer_hash(dataset.tokenizer_path) != tokenizer_hash(
+        tokenizer_path
+    ):
+        raise ConfigError(
+            f"eval data {dataset.path} was tokenized with another tokenizer than the training "
+            f"data ({tokenizer_path}); prepare it with that tokenizer"
+        )
+    return dataset
+
+
+def training_tokenizer(cfg: DataConfig, sources: list[Source]) -> Path | None:
+    """The tokenizer of the training data: data.tokenizer, else the one the (first) prepared
+    dataset was made with; all datasets of a mixture share it (checked on opening)."""
+    if cfg.tokenizer:
+        return Path(cfg.tokenizer)
+    dataset = getattr(sources[0].samples, "dataset", None)
+    return dataset.tokenizer_path if dataset is not None else None
 
 
 def ensure_local_data(cfg: DataConfig, cache_dir: Path) -> None:

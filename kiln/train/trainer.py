@@ -19,8 +19,13 @@ from kiln.config import JobConfig, to_toml, validate
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import BatchLoader, Source
 from kiln.data.mixture import lr_scale_at
-from kiln.data.sources import ensure_local_data, open_eval_data, open_training_data
-from kiln.errors import ConfigError
+from kiln.data.sources import (
+    ensure_local_data,
+    open_eval_data,
+    open_training_data,
+    training_tokenizer,
+)
+from kiln.errors import ConfigError, KilnError
 from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics, warn
 from kiln.metrics.mfu import mfu, peak_flops
 from kiln.metrics.plot import plot_loss_curve
@@ -311,13 +316,23 @@ class Trainer:
 
     def _open_data(self) -> tuple[list[Source], TokenDataset | None]:
         # One rank builds what is missing (the built-in corpus, tokenized Hugging Face datasets)
-        # while the others wait; then every rank opens the data itself, so a bad path fails on
-        # all ranks at once instead of hanging the rest.
+        # while the others wait, and tells them if it failed, so they stop with its message
+        # instead of waiting forever; then every rank opens the data itself, so a bad path fails
+        # on all ranks at once instead of hanging the rest.
         cache_dir = self.run_dir / "data_cache"
+        failure = None
         if self.parallel.is_main:
-            ensure_local_data(self.cfg.data, cache_dir)
+            try:
+                ensure_local_data(self.cfg.data, cache_dir)
+            except Exception as error:
+                failure = error
         if self.parallel.world_size > 1:
-            dist.barrier()
+            message = [str(failure) if failure is not None else None]
+            dist.broadcast_object_list(message, src=0)
+            if message[0] is not None and failure is None:
+                raise KilnError(f"rank 0 could not prepare the training data: {message[0]}")
+        if failure is not None:
+            raise failure
         sources = open_training_data(
             self.cfg.data,
             seq_len=self.cfg.train.seq_len,
@@ -328,13 +343,12 @@ class Trainer:
         eval_data = None
         if self.cfg.eval.interval:
             eval_data = open_eval_data(
-                self.cfg.eval.path, self.cfg.data, seq_len=self.cfg.train.seq_len
+                self.cfg.eval.path,
+                self.cfg.data,
+                seq_len=self.cfg.train.seq_len,
+                model_vocab_size=self.cfg.model.vocab_size,
+                tokenizer_path=training_tokenizer(self.cfg.data, sources),
             )
-            if eval_data is None:
-                raise ConfigError(
-                    "eval.interval is set but there is no held-out data: set eval.path to a "
-                    "prepared dataset, or prepare the training data with --val-fraction"
-                )
         return sources, eval_data
 
     def save(self) -> Path:
@@ -351,10 +365,7 @@ class Trainer:
 
     def tokenizer_path(self) -> Path | None:
         """The tokenizer the data was made with, saved beside each checkpoint for export."""
-        if self.cfg.data.tokenizer:
-            return Path(self.cfg.data.tokenizer)
-        dataset = getattr(self.sources[0].samples, "dataset", None)
-        return dataset.tokenizer_path if dataset is not None else None
+        return training_tokenizer(self.cfg.data, self.sources)
 
     def _check_checkpoint_sources(self) -> None:
         if self.cfg.checkpoint.load_path:

@@ -2,14 +2,20 @@
 data-parallel ranks with gradient accumulation, and resumed from the two-rank checkpoint by one process: the same losses
 (per dataset and held-out too) step by step."""
 
+import subprocess
+import sys
+
+import datasets
 import pytest
 
 from tests.distributed.parity import (
     TOLERANCE,
     assert_parity,
+    env,
     keep_only_first_checkpoint,
     records,
     train,
+    train_args,
 )
 
 pytestmark = pytest.mark.slow
@@ -66,3 +72,30 @@ def test_mixture_two_ranks_then_resume_in_one(tmp_path, demo_data, one_process):
     resumed = records(train(tmp_path, "two", demo_data, 1, *ONE_PROCESS, *overrides))
     assert_parity(resumed, one_process, steps=range(6, 11))
     assert_same_data_metrics(resumed, one_process, steps=range(6, 11))
+
+
+def test_data_rank_0_cannot_prepare_fails_every_rank(tmp_path, demo_data):
+    """Rank 0 tokenizes a Hugging Face dataset while the others wait: when it fails, they stop
+    with its message instead of waiting at the barrier."""
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"content": ["def f():\n    pass\n"] * 8}).save_to_disk(saved)
+    args = train_args(
+        tmp_path / "run",
+        demo_data,
+        "--data.source=hf",
+        f"--data.path={saved}",
+        f"--data.tokenizer={demo_data / 'tokenizer.json'}",
+        "--data.text_key=text",
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    result = subprocess.run(
+        [*command, "-m", "kiln", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env(),
+    )
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "has no column 'text' (columns: content)" in output
+    assert "rank 0 could not prepare the training data" in output

@@ -20,7 +20,7 @@ from kiln.data.mixture import (
     probabilities_at,
     within_dataset_indices,
 )
-from kiln.data.sources import open_training_data
+from kiln.data.sources import open_eval_data, open_training_data
 from kiln.errors import ConfigError
 from kiln.train.loss import IGNORE_INDEX
 
@@ -166,3 +166,11 @@ def test_opening_checks_tokenizers_across_the_mixture(datasets, tmp_path):
     ):
         open_data(DataConfig(source="prepared", path=str(web), tokenizer=str(other)))
     assert len(open_data(DataConfig(datasets=entries[:1], tokenizer=str(web / "tokenizer.json"))))
+    open_eval = functools.partial(
+        open_eval_data, data=DataConfig(path=str(web)), seq_len=SEQ, model_vocab_size=512
+    )
+    with pytest.raises(ConfigError, match="was tokenized with another tokenizer than the training"):
+        open_eval(str(tmp_path / "books"), tokenizer_path=web / "tokenizer.json")
+    with pytest.raises(ConfigError, match="there is no held-out data"):
+        open_eval("", tokenizer_path=web / "tokenizer.json")
+    assert open_eval(str(web), tokenizer_path=web / "tokenizer.json").path == web
