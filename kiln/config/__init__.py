@@ -8,6 +8,7 @@ from kiln.config.sections import (
     MetricsConfig,
     ModelConfig,
     OptimizerConfig,
+    ResilienceConfig,
     SchedulerConfig,
     TrainConfig,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "ResilienceConfig",
     "SchedulerConfig",
     "TrainConfig",
     "config_from_dict",

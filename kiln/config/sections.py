@@ -139,8 +139,20 @@ class CheckpointConfig:
     interval: int = 0
     keep_last_n: int = 0
     save_final: bool = True
+    async_mode: str = "disabled"
     resume: str = "auto"
     load_path: str = ""
+    model_only: bool = True
+    export_dtype: str = "float32"
+
+
+@dataclass
+class ResilienceConfig:
+    nan_max_consecutive: int = 3
+    nan_action: str = "stop"
+    collective_timeout_s: float = 600.0
+    step_timeout_s: float = 1800.0
+    debug_nan_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -161,4 +173,5 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -22,7 +22,10 @@ CHOICES = {
     "optimizer.name": ("adamw",),
     "scheduler.name": ("cosine", "linear", "wsd", "constant", "rex", "none"),
     "data.source": ("demo", "prepared", "hf"),
-    "checkpoint.resume": ("auto", "never"),
+    "checkpoint.resume": ("auto", "never", "force"),
+    "checkpoint.async_mode": ("disabled", "async"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+    "resilience.nan_action": ("stop", "rollback"),
     "distributed.grad_reduce": ("per_micro_batch", "per_step"),
     "distributed.pp_schedule": PP_SCHEDULES,
 }
@@ -129,6 +132,22 @@ def _train_problems(cfg: JobConfig) -> list[str]:
     c = cfg.checkpoint
     if c.interval < 0 or c.keep_last_n < 0:
         p.append("checkpoint.interval and checkpoint.keep_last_n must be >= 0 (0 disables)")
+    r = cfg.resilience
+    if r.nan_max_consecutive < 1:
+        p.append(
+            f"resilience.nan_max_consecutive must be >= 1 (skipped steps in a row before "
+            f"nan_action), got {r.nan_max_consecutive}"
+        )
+    if r.collective_timeout_s <= 0 or r.step_timeout_s < 0:
+        p.append(
+            "resilience.collective_timeout_s must be > 0 and resilience.step_timeout_s >= 0 "
+            "(0 turns the step watchdog off)"
+        )
+    if r.nan_action == "rollback" and not c.interval:
+        p.append(
+            "resilience.nan_action = 'rollback' returns to the last checkpoint: set "
+            "checkpoint.interval > 0 so there is one"
+        )
     if cfg.metrics.plot and not cfg.metrics.jsonl:
         p.append(
             "metrics.plot = true draws from metrics.jsonl: set metrics.jsonl = true or plot = false"
