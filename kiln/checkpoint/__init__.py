@@ -5,8 +5,10 @@ from kiln.checkpoint.checkpointer import (
     save_checkpoint,
 )
 from kiln.checkpoint.layout import find_tokenizer, latest_complete, resolve_checkpoint
+from kiln.checkpoint.saver import CheckpointSaver
 
 __all__ = [
+    "CheckpointSaver",
     "find_tokenizer",
     "latest_complete",
     "load_checkpoint",

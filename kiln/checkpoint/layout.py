@@ -8,11 +8,13 @@
     config.toml             # the resolved job config that produced it
     train_state.json        # step, data position, tokens seen
     rng/rank_00000.pt       # per-rank RNG states
-    COMPLETE                # written last: a folder without it is never loaded
+    COMPLETE                # written last, lists every file and its size: a folder without it,
+                            # or whose files do not match it, is never loaded
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -64,7 +66,14 @@ def latest_complete(root: Path) -> Path | None:
 def commit(root: Path, step: int) -> Path:
     """Mark the partial folder complete, move it into place and point `latest` at it."""
     partial, final = partial_dir(root, step), step_dir(root, step)
-    (partial / MARKER).write_text(f"{step}\n")
+    files = {
+        str(file.relative_to(partial)): file.stat().st_size
+        for file in sorted(partial.rglob("*"))
+        if file.is_file()
+    }
+    marker = partial / f".{MARKER}.tmp"
+    marker.write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+    os.replace(marker, partial / MARKER)
     if final.exists():
         shutil.rmtree(final)
     os.rename(partial, final)
@@ -72,6 +81,50 @@ def commit(root: Path, step: int) -> Path:
     tmp.write_text(final.name + "\n")
     os.replace(tmp, Path(root) / LATEST)
     return final
+
+
+def damage(path: Path) -> str | None:
+    """Why a committed checkpoint cannot be trusted (a file the marker lists is missing or has
+    another size: a truncated copy, a full disk), or None. Markers of older kiln versions hold
+    only the step and are taken as they are."""
+    try:
+        manifest = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None if (Path(path) / MARKER).is_file() else f"no {MARKER} marker"
+    if not isinstance(manifest, dict):
+        return None
+    for name, size in manifest.get("files", {}).items():
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def resume_candidates(root: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (the one `latest` names, else the highest step) that is
+    intact, and a warning for each newer checkpoint skipped on the way and why."""
+    root = Path(root)
+    if not root.is_dir():
+        return None, []
+    warnings = [
+        f"ignoring {child}: an interrupted save (no {MARKER} marker)"
+        for child in sorted(root.iterdir())
+        if (_STEP_RE.match(child.name) or child.name.startswith(".step_"))
+        and not is_complete(child)
+    ]
+    ordered = [path for _, path in reversed(complete_steps(root))]
+    newest = latest_complete(root)
+    if newest is not None:
+        ordered.remove(newest)
+        ordered.insert(0, newest)
+    for path in ordered:
+        problem = damage(path)
+        if problem is None:
+            return path, warnings
+        warnings.append(f"skipping {path}: {problem}; falling back to an earlier checkpoint")
+    return None, warnings
 
 
 def prune(root: Path, keep_last_n: int, *, keep: Path) -> None:
@@ -98,12 +151,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise KilnError(f"checkpoint not found: {path}")
     if _STEP_RE.match(path.name) and is_complete(path):
+        problem = damage(path)
+        if problem is not None:
+            raise KilnError(f"{path} is damaged ({problem}); use an earlier step")
         return path
     if _STEP_RE.match(path.name):
         raise KilnError(
             f"{path} is an incomplete checkpoint (no {MARKER} marker): the save was interrupted; use an earlier step"
         )
-    newest = latest_complete(path)
+    newest, skipped = resume_candidates(path)
+    if newest is None and complete_steps(path):
+        raise KilnError(f"{path} holds no intact checkpoint: {'; '.join(skipped)}")
     if newest is None:
         raise KilnError(
             f"{path} is not a kiln checkpoint: expected a step_XXXXXXXX/ folder with a {MARKER} marker, "

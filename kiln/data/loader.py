@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from kiln.config.sections import DataConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.mixture import choose_datasets, probabilities_at, within_dataset_indices
+from kiln.resilience.preemption import ignore_preemption_signals
 from kiln.train.loss import IGNORE_INDEX
 
 
@@ -154,6 +155,7 @@ class BatchLoader:
             collate_fn=_identity,
             num_workers=workers,
             prefetch_factor=self.prefetch_steps if workers else None,
+            worker_init_fn=ignore_preemption_signals,
         )
 
     def plan(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,12 @@
+from kiln.resilience import exit_codes
+from kiln.resilience.nan_guard import NanGuard
+from kiln.resilience.preemption import PreemptionFlag, ignore_preemption_signals
+from kiln.resilience.watchdog import StepWatchdog
+
+__all__ = [
+    "NanGuard",
+    "PreemptionFlag",
+    "StepWatchdog",
+    "exit_codes",
+    "ignore_preemption_signals",
+]

@@ -8,13 +8,22 @@ import os
 import resource
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from kiln.checkpoint import latest_complete, load_checkpoint, resolve_checkpoint, save_checkpoint
+from kiln.checkpoint import (
+    CheckpointSaver,
+    latest_complete,
+    load_checkpoint,
+    read_train_state,
+    resolve_checkpoint,
+)
+from kiln.checkpoint.fingerprint import fingerprint_changes, run_fingerprint
+from kiln.checkpoint.layout import complete_steps, resume_candidates
 from kiln.config import JobConfig, to_toml, validate
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import BatchLoader, Source
@@ -26,7 +35,7 @@ from kiln.data.sources import (
     training_tokenizer,
 )
 from kiln.errors import ConfigError, KilnError
-from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics, warn
+from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics, truncate_after, warn
 from kiln.metrics.mfu import mfu, peak_flops
 from kiln.metrics.plot import plot_loss_curve
 from kiln.model import build_model, flops_per_token, materialize
@@ -35,6 +44,8 @@ from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import init_parallel
 from kiln.parallel.pipeline import TiedEmbedding, build_schedule
+from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog
+from kiln.resilience.preemption import Preempted
 from kiln.train.dataset_losses import DatasetLosses
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
@@ -60,8 +71,14 @@ class Trainer:
         self.run_dir = Path(cfg.metrics.run_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self._check_checkpoint_sources()  # before anything is built or written
-        self.parallel = init_parallel(cfg.distributed, pick_device(cfg.train.device))
+        self.parallel = init_parallel(
+            cfg.distributed,
+            pick_device(cfg.train.device),
+            timeout_s=cfg.resilience.collective_timeout_s,
+        )
         self.device = self.parallel.device
+        if cfg.checkpoint.interval or cfg.checkpoint.save_final:
+            self._on_main(lambda: _check_writable(self.checkpoint_dir), what="write checkpoints")
         self.sources, self.eval_data = self._open_data()
         self.grad_scale = gradient_average_compensation(self.parallel.fsdp_mesh())
         pipelined = self.parallel.degrees["pp"] > 1
@@ -108,6 +125,17 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+        self.saver = CheckpointSaver(
+            self.checkpoint_dir,
+            keep_last_n=cfg.checkpoint.keep_last_n,
+            async_mode=cfg.checkpoint.async_mode,
+            device=self.device,
+        )
+        self.nan_guard = NanGuard(
+            max_consecutive=cfg.resilience.nan_max_consecutive, action=cfg.resilience.nan_action
+        )
+        self._nan_steps_left = set(cfg.resilience.debug_nan_steps)
+        self._inject_nan = False
         self._resume()
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
@@ -121,40 +149,58 @@ class Trainer:
         self.peak_flops = peak_flops(self.device)
 
     def train(self) -> list[dict]:
-        """Run to train.max_steps; return the logged records."""
+        """Run to train.max_steps; return the logged records. Stops early, with a checkpoint,
+        when the job is told to (SIGTERM/SIGUSR1: raises Preempted)."""
+        preemption = PreemptionFlag()
+        watchdog = StepWatchdog(self.cfg.resilience.step_timeout_s, rank=self.parallel.rank)
+        try:
+            records = self._loop(preemption, watchdog)
+        except RuntimeError as error:
+            if not _is_collective_failure(error):
+                raise
+            raise KilnError(
+                f"rank {self.parallel.rank}: a collective failed during step {self.step + 1}: "
+                f"{_first_line(error)}. Another rank most likely died or hung (its log names "
+                f"why); the job resumes from {latest_complete(self.checkpoint_dir) or 'scratch'} "
+                "when restarted"
+            ) from None
+        finally:
+            watchdog.close()
+            preemption.restore()
+        if self.parallel.is_main:
+            self._summarize()
+        return records
+
+    def _loop(self, preemption: PreemptionFlag, watchdog: StepWatchdog) -> list[dict]:
         cfg = self.cfg
-        main = self.parallel.is_main
         logger = MetricsLogger(
             self.run_dir,
             max_steps=cfg.train.max_steps,
             start_step=self.step,
-            jsonl=cfg.metrics.jsonl and main,
+            jsonl=cfg.metrics.jsonl and self.parallel.is_main,
         )
-        records, window = [], _Window()
+        records, window, first = [], _Window(), True
         while self.step < cfg.train.max_steps:
-            loss, grad_norm, lr, tokens = self.train_step()
-            window.add(loss, tokens)
+            if not first:  # the first step compiles and warms up: no bound on it
+                watchdog.arm(self.step + 1)
+            result = self.train_step(stop_requested=preemption.received is not None)
+            watchdog.disarm()
+            first = False
+            window.add(result.loss, result.tokens)
+            if not result.finite:
+                self._non_finite_step(result, logger)
             run_eval = cfg.eval.interval and self.step % cfg.eval.interval == 0
             if (
                 self.step % cfg.metrics.log_interval == 0
                 or self.step in (1, cfg.train.max_steps)
                 or run_eval
             ):
-                loss_avg = (
-                    window.mean_loss()
-                )  # syncs with the device, so the elapsed time is honest
-                record = self._record(
-                    loss.item(), loss_avg, grad_norm.item(), lr, window.tokens_per_sec()
-                )
-                if self.dataset_losses is not None:
-                    record |= self.dataset_losses.reduce(
-                        data_group=self.parallel.data_group(), pipeline_group=self.pipeline_group
-                    )
+                record = self._record(result, window)
                 if run_eval:
                     started = time.perf_counter()
                     record |= self.evaluate()
                     window.start += time.perf_counter() - started  # not training time
-                if main:
+                if self.parallel.is_main:
                     logger.log(record)
                 records.append(record)
                 window = _Window()
@@ -162,11 +208,66 @@ class Trainer:
                 started = time.perf_counter()
                 self.save()
                 window.start += time.perf_counter() - started  # saving is not training time
-        if cfg.checkpoint.save_final and latest_step(self.checkpoint_dir) != self.step:
+            self.saver.poll()
+            if result.stop:
+                self._stop_for_preemption(preemption.received or "a signal on another rank")
+        if cfg.checkpoint.save_final and self._newest_saved_step() != self.step:
             self.save()
-        if main:
-            self._summarize()
+        self.saver.close()
         return records
+
+    def _non_finite_step(self, result: StepResult, logger: MetricsLogger) -> None:
+        """The update of this step was skipped; after too many in a row, stop or roll back."""
+        action = self.nan_guard.update(finite=False)
+        if self.parallel.is_main:
+            warn(
+                f"step {self.step}: non-finite loss or gradient norm (loss {result.loss.item()}, "
+                f"grad_norm {result.grad_norm.item()}); the update was skipped "
+                f"({self.nan_guard.consecutive} in a row, resilience.nan_max_consecutive = "
+                f"{self.nan_guard.max_consecutive})"
+            )
+        if action == "stop":
+            self.saver.close()
+            raise KilnError(
+                f"{self.nan_guard.consecutive} steps in a row up to step {self.step} had a "
+                "non-finite loss or gradient norm; stopping. The newest checkpoint is "
+                f"{latest_complete(self.checkpoint_dir) or '(none)'}. Lower optimizer.lr or "
+                "train.grad_clip_norm, check the data, or set resilience.nan_action = 'rollback'"
+            )
+        if action == "rollback":
+            self._rollback(logger)
+
+    def _rollback(self, logger: MetricsLogger) -> None:
+        """Back to the newest checkpoint's weights, optimizer and step; the data keeps going
+        forward, so the batches that blew up are not replayed."""
+        self.saver.wait()
+        newest = latest_complete(self.checkpoint_dir)
+        if newest is None:
+            raise KilnError(
+                f"resilience.nan_action = 'rollback' but there is no checkpoint before step "
+                f"{self.step} to return to; lower checkpoint.interval"
+            )
+        bad_step = self.step
+        state = load_checkpoint(newest, model=self.model_parts, optimizer=self.optimizers)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.nan_guard.reset()
+        if self.parallel.is_main:
+            warn(f"rolled back from step {bad_step} to {newest}; the data continues forward")
+            if logger.path is not None:
+                truncate_after(logger.path, self.step)
+
+    def _stop_for_preemption(self, signal_name: str) -> None:
+        if self._newest_saved_step() != self.step:
+            self.save()
+        self.saver.close()
+        raise Preempted(
+            signal_name=signal_name, step=self.step, checkpoint=latest_complete(self.checkpoint_dir)
+        )
+
+    def _newest_saved_step(self) -> int | None:
+        if self.saver.in_flight is not None:
+            return self.saver.in_flight.step
+        return latest_step(self.checkpoint_dir)
 
     def _summarize(self) -> None:
         history = read_metrics(self.run_dir / JSONL_NAME)
@@ -186,7 +287,11 @@ class Trainer:
             lines.append(f"loss curve {plot}")
         print(" | ".join(lines), flush=True)
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    def train_step(self, *, stop_requested: bool = False) -> StepResult:
+        """One optimizer step; skipped (no update) when any rank saw a non-finite loss or
+        gradient norm. `stop` tells whether any rank was asked to stop (agreed by all)."""
+        self._inject_nan = self.step + 1 in self._nan_steps_left
+        self._nan_steps_left.discard(self.step + 1)
         batch = self.loader.next_step()
         micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in batch.micro_batches]
         # Normalize by the valid tokens of the whole optimizer step, counted before any backward,
@@ -212,22 +317,38 @@ class Trainer:
             pipeline_group=self.pipeline_group,
             duplicates=self.tied.duplicates if self.tied is not None else (),
         )
+        # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
+        total = _sum_over(total, self.pipeline_group)
+        loss = _sum_over(total, self.parallel.data_group()) / valid
+        finite, stop = self._agree(
+            finite=torch.isfinite(loss) & torch.isfinite(grad_norm), stop=stop_requested
+        )
         lr = (
             self.cfg.optimizer.lr
             * lr_factor(self.cfg.scheduler, self.step + 1, self.cfg.train.max_steps)
             * lr_scale_at(self.cfg.data, self.step)
         )
         for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
+            if finite:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if finite:
+            self.nan_guard.reset()
         self.step += 1
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         self.tokens_seen += tokens
-        # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
-        total = _sum_over(total, self.pipeline_group)
-        return _sum_over(total, self.parallel.data_group()) / valid, grad_norm, lr, tokens
+        return StepResult(loss, grad_norm, lr, tokens, finite, stop)
+
+    def _agree(self, *, finite: torch.Tensor, stop: bool) -> tuple[bool, bool]:
+        """(every rank finite, any rank asked to stop): one small all-reduce per step, so all
+        ranks skip the same updates and stop at the same step boundary."""
+        flags = torch.stack([(~finite).float(), torch.tensor(float(stop), device=self.device)])
+        if self.parallel.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        non_finite, stop_any = flags.tolist()
+        return not non_finite, bool(stop_any)
 
     def evaluate(self) -> dict[str, float]:
         loader = eval_loader(
@@ -271,12 +392,16 @@ class Trainer:
         return {"document_ids": document_ids(inputs, self.sources[0].eos_id)}
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(
+        losses = token_loss_sum(
             logits,
             labels,
             z_loss_weight=self.cfg.train.z_loss_weight,
             per_row=self.dataset_losses is not None,
         )
+        # resilience.debug_nan_steps: the last rank alone goes bad, so the others must learn it.
+        if self._inject_nan and self.parallel.rank == self.parallel.world_size - 1:
+            losses = losses * float("nan")
+        return losses
 
     def _pipeline_pass(
         self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: torch.Tensor | None
@@ -320,19 +445,9 @@ class Trainer:
         # instead of waiting forever; then every rank opens the data itself, so a bad path fails
         # on all ranks at once instead of hanging the rest.
         cache_dir = self.run_dir / "data_cache"
-        failure = None
-        if self.parallel.is_main:
-            try:
-                ensure_local_data(self.cfg.data, cache_dir)
-            except Exception as error:
-                failure = error
-        if self.parallel.world_size > 1:
-            message = [str(failure) if failure is not None else None]
-            dist.broadcast_object_list(message, src=0)
-            if message[0] is not None and failure is None:
-                raise KilnError(f"rank 0 could not prepare the training data: {message[0]}")
-        if failure is not None:
-            raise failure
+        self._on_main(
+            lambda: ensure_local_data(self.cfg.data, cache_dir), what="prepare the training data"
+        )
         sources = open_training_data(
             self.cfg.data,
             seq_len=self.cfg.train.seq_len,
@@ -351,23 +466,47 @@ class Trainer:
             )
         return sources, eval_data
 
+    def _on_main(self, action, *, what: str) -> None:
+        """Run `action` on rank 0 while the others wait; if it fails, every rank stops with its
+        message instead of waiting forever."""
+        failure = None
+        if self.parallel.is_main:
+            try:
+                action()
+            except Exception as error:
+                failure = error
+        if self.parallel.world_size > 1:
+            message = [str(failure) if failure is not None else None]
+            dist.broadcast_object_list(message, src=0)
+            if message[0] is not None and failure is None:
+                raise KilnError(f"rank 0 could not {what}: {message[0]}")
+        if failure is not None:
+            raise failure
+
     def save(self) -> Path:
-        return save_checkpoint(
-            self.checkpoint_dir,
+        """Checkpoint this step (in the background with checkpoint.async_mode = "async")."""
+        return self.saver.save(
             self.step,
             model=self.model_parts,
             optimizer=self.optimizers,
             config=self.cfg,
-            train_state={**self.loader.state_dict(), "tokens_seen": self.tokens_seen},
+            train_state={
+                **self.loader.state_dict(),
+                "tokens_seen": self.tokens_seen,
+                "fingerprint": self.fingerprint(),
+            },
             tokenizer_path=self.tokenizer_path(),
-            keep_last_n=self.cfg.checkpoint.keep_last_n,
         )
+
+    def fingerprint(self) -> dict:
+        return run_fingerprint(self.cfg, global_batch=self.loader.global_batch)
 
     def tokenizer_path(self) -> Path | None:
         """The tokenizer the data was made with, saved beside each checkpoint for export."""
         return training_tokenizer(self.cfg.data, self.sources)
 
     def _check_checkpoint_sources(self) -> None:
+        """Before anything is built: what to load exists, and checkpoints can be written."""
         if self.cfg.checkpoint.load_path:
             resolve_checkpoint(self.cfg.checkpoint.load_path)
         if (
@@ -380,21 +519,72 @@ class Trainer:
             )
 
     def _resume(self) -> None:
-        newest = (
-            latest_complete(self.checkpoint_dir) if self.cfg.checkpoint.resume == "auto" else None
-        )
+        newest = self._resume_point() if self.cfg.checkpoint.resume != "never" else None
         if newest is not None:
+            self._check_fingerprint(newest)
             state = load_checkpoint(
                 newest, model=self.model_parts, optimizer=self.optimizers, restore_rng=True
             )
-            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-            self.loader.load_state_dict(state)
+            self._continue_from(state)
             if self.parallel.is_main:
                 print(f"kiln: resumed from {newest} (step {self.step})", flush=True)
-        elif self.cfg.checkpoint.load_path:
+        elif self.cfg.checkpoint.load_path and self.cfg.checkpoint.model_only:
             load_checkpoint(self.cfg.checkpoint.load_path, model=self.model_parts)
             if self.parallel.is_main:
                 print(f"kiln: initial weights from {self.cfg.checkpoint.load_path}", flush=True)
+        elif self.cfg.checkpoint.load_path:
+            state = load_checkpoint(
+                self.cfg.checkpoint.load_path,
+                model=self.model_parts,
+                optimizer=self.optimizers,
+                restore_rng=True,
+            )
+            self._continue_from(state)
+            if self.parallel.is_main:
+                print(
+                    f"kiln: continuing {self.cfg.checkpoint.load_path} (step {self.step}) in "
+                    f"{self.checkpoint_dir}",
+                    flush=True,
+                )
+
+    def _continue_from(self, state: dict) -> None:
+        self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
+        self.loader.load_state_dict(state)
+
+    def _resume_point(self) -> Path | None:
+        """The newest intact checkpoint, chosen on rank 0 (which warns about the ones it skips)
+        and the same on every rank."""
+        choice: list = [None, None]
+        if self.parallel.is_main:
+            newest, skipped = resume_candidates(self.checkpoint_dir)
+            for message in skipped:
+                warn(message)
+            if newest is None and complete_steps(self.checkpoint_dir):
+                choice[1] = (
+                    f"{self.checkpoint_dir} holds checkpoints but none is intact; move them "
+                    "away to start over, or fix them"
+                )
+            choice[0] = str(newest) if newest is not None else None
+        if self.parallel.world_size > 1:
+            dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise KilnError(choice[1])
+        return Path(choice[0]) if choice[0] is not None else None
+
+    def _check_fingerprint(self, checkpoint: Path) -> None:
+        saved = read_train_state(checkpoint).get("fingerprint")
+        changes = fingerprint_changes(saved, self.fingerprint()) if saved is not None else []
+        if not changes:
+            return
+        listing = "; ".join(changes)
+        if self.cfg.checkpoint.resume != "force":
+            raise ConfigError(
+                f"{checkpoint} was written by a run with different settings ({listing}). "
+                "Resuming would mix two runs: use a new metrics.run_dir (or checkpoint.dir), or "
+                "pass --checkpoint.resume=force to continue with the new settings anyway"
+            )
+        if self.parallel.is_main:
+            warn(f"checkpoint.resume = 'force': continuing {checkpoint} with changes: {listing}")
 
     def _autocast_context(self):
         if self.cfg.train.mixed_precision == "bf16" and self.device.type == "cuda":
@@ -403,20 +593,22 @@ class Trainer:
             warn("mixed_precision = 'bf16' applies on GPU; training in fp32 on CPU")
         return contextlib.nullcontext()
 
-    def _record(
-        self, loss: float, loss_avg: float, grad_norm: float, lr: float, tokens_per_sec: float
-    ) -> dict:
+    def _record(self, result: StepResult, window: _Window) -> dict:
+        """The log record of this step; the window's mean syncs with the device first, so the
+        elapsed time is honest."""
+        loss_avg = window.mean_loss()
+        tokens_per_sec = window.tokens_per_sec()
         peak_mem = (
             torch.cuda.max_memory_allocated(self.device) / 1e9
             if self.device.type == "cuda"
             else None
         )
-        return {
+        record = {
             "step": self.step,
-            "loss": loss,
+            "loss": result.loss.item(),
             "loss_avg": loss_avg,
-            "grad_norm": grad_norm,
-            "lr": lr,
+            "grad_norm": result.grad_norm.item(),
+            "lr": result.lr,
             "tokens_seen": self.tokens_seen,
             "tokens_per_sec": tokens_per_sec,
             "mfu": mfu(
@@ -427,7 +619,22 @@ class Trainer:
             ),
             "peak_mem_gb": peak_mem,
             "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "skipped_steps": self.nan_guard.skipped_total,
         }
+        if self.dataset_losses is not None:
+            record |= self.dataset_losses.reduce(
+                data_group=self.parallel.data_group(), pipeline_group=self.pipeline_group
+            )
+        return record
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    tokens: int
+    finite: bool  # False: the update was skipped
+    stop: bool  # some rank was asked to stop (SIGTERM/SIGUSR1)
 
 
 class _Window:
@@ -465,6 +672,35 @@ def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _check_writable(directory: Path) -> None:
+    """Fail at start-up, not at the first save hours later; leave no folder behind."""
+    created = [path for path in (directory, *directory.parents) if not path.exists()]
+    probe = directory / ".write_test"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+        for path in created:
+            path.rmdir()
+    except OSError as error:
+        raise KilnError(
+            f"checkpoint directory {directory} is not writable ({error.strerror or error}); "
+            "set checkpoint.dir to a writable folder"
+        ) from None
+
+
+def _is_collective_failure(error: RuntimeError) -> bool:
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(
+        word in text for word in ("gloo", "nccl", "connection closed", "timed out", "socket")
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def latest_step(checkpoint_dir: Path) -> int | None:

@@ -94,6 +94,7 @@ def test_optimizer_state_in_the_old_indexed_format_is_named(tmp_path):
         "optim": get_optimizer_state_dict(model, optimizer),  # indexed param groups
     }
     dcp.save(old_format, checkpoint_id=step_dir, no_dist=True)
+    (step_dir / "COMPLETE").write_text("1\n")  # the marker of that version: the step only
     other, other_opt = trained(seed=1)
     with pytest.raises(KilnError, match=r"indexed format .* checkpoint\.load_path"):
         load_checkpoint(tmp_path, model=other, optimizer=other_opt)

@@ -27,8 +27,8 @@ def test_grad_accumulation_matches_one_big_batch(debug_overrides, tmp_path, batc
         f"--train.grad_accum_steps={accum}",
     )
     for _ in range(10):
-        loss_a, norm_a, _, _ = reference.train_step()
-        loss_b, norm_b, _, _ = split.train_step()
+        loss_a, norm_a, *_ = reference.train_step()
+        loss_b, norm_b, *_ = split.train_step()
         assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-5)
         assert norm_b.item() == pytest.approx(norm_a.item(), rel=1e-5)
 
@@ -46,8 +46,8 @@ def test_loss_is_normalized_by_the_valid_tokens_of_the_whole_step(debug_override
         [(inputs[i : i + 1], labels[i : i + 1]) for i in range(4)],
         [ids[i : i + 1] for ids in batch.dataset_ids for i in range(4)],
     )
-    loss_a, norm_a, _, _ = whole.train_step()
-    loss_b, norm_b, _, _ = split.train_step()
+    loss_a, norm_a, *_ = whole.train_step()
+    loss_b, norm_b, *_ = split.train_step()
     assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-6)
     assert norm_b.item() == pytest.approx(norm_a.item(), rel=1e-5)
 

