@@ -158,7 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
     kiln_to_hf.add_argument("output", help="new Hugging Face model directory")
     kiln_to_hf.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16", "float16")
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the exported weights (default: the checkpoint's checkpoint.export_dtype, "
+        "float32 if it has none)",
+    )
+    kiln_to_hf.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file, in bytes or with a unit: 5GB (default), 500MB, 2GiB; "
+        "a bigger model is split into model-0000i-of-0000N.safetensors plus an index",
     )
     convert.set_defaults(run=cmd_convert)
     return parser
@@ -182,6 +192,7 @@ def cmd_train(args) -> int:
     import torch.distributed as dist
 
     from kiln.config import load_config
+    from kiln.resilience.preemption import Preempted
     from kiln.train.trainer import Trainer
 
     cfg = load_config(
@@ -189,9 +200,14 @@ def cmd_train(args) -> int:
     )
     try:
         Trainer(cfg).train()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except Preempted as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"kiln train: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    # Only a clean end tears the group down: after a failure a peer may be gone, and waiting
+    # for it would turn an error into a hang.
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
@@ -350,6 +366,8 @@ def cmd_convert(args) -> int:
     if args.direction == "hf-to-kiln":
         out = hf_to_kiln(args.source, args.output)
     else:
-        out = kiln_to_hf(args.source, args.output, dtype=args.dtype)
+        out = kiln_to_hf(
+            args.source, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size
+        )
     print(f"wrote {out}")
     return 0

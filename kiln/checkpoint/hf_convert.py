@@ -2,13 +2,14 @@
 
 Deliberately free of `transformers` (an optional extra): configs are read and written as JSON and
 weights through safetensors, one tensor at a time, so converting a large model never holds two
-copies of it in memory (an export to another dtype holds the converted copy).
+copies of it in memory (an export holds the model plus one shard's converted tensors).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from safetensors.torch import save_file
 
 from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, save_checkpoint
 from kiln.checkpoint.layout import find_tokenizer, resolve_checkpoint
-from kiln.config import JobConfig, ModelConfig
+from kiln.config import JobConfig, ModelConfig, read_toml
 from kiln.data.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer, build_model, materialize
@@ -39,6 +40,16 @@ _LAYER_NAMES = {
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# transformers' save_pretrained default.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_INDEX = "model.safetensors.index.json"
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_SIZE_UNITS = {
+    "B": 1,
+    **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGT")},
+    **{f"{p}IB": 1024 ** (i + 1) for i, p in enumerate("KMGT")},
+}
 
 _REQUIRED_HF_KEYS = (
     "hidden_size",
@@ -78,12 +89,27 @@ def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
     )
 
 
-def kiln_to_hf(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
+def kiln_to_hf(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
     """Export a kiln checkpoint as a Hugging Face Llama folder loadable by
-    `LlamaForCausalLM.from_pretrained`; return `out_dir`."""
+    `LlamaForCausalLM.from_pretrained`; return `out_dir`.
+
+    The checkpoint may have been written by any layout (FSDP, TP, PP): DCP stores full tensors
+    keyed by parameter name, so one process reads it whole. `dtype` defaults to the checkpoint's
+    `checkpoint.export_dtype` (float32 for checkpoints older than that setting). Weights larger
+    than `max_shard_size` (bytes, or a string such as "5GB" or "500MB") are split into
+    `model-0000i-of-0000N.safetensors` files with a `model.safetensors.index.json`, as
+    `save_pretrained` does; at most the model and one shard's converted tensors are in memory.
+    """
     out_dir = Path(out_dir)
-    if dtype not in _DTYPES:
+    if dtype is not None and dtype not in _DTYPES:
         raise KilnError(f"unknown export dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    shard_bytes = parse_size(max_shard_size)
     _require_empty(out_dir)
     step_dir = resolve_checkpoint(ckpt)
     cfg = read_model_config(step_dir)
@@ -92,12 +118,13 @@ def kiln_to_hf(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "float32")
             f"{step_dir} was trained with model.qk_norm = true, which Hugging Face Llama does not "
             "support; only models trained with qk_norm = false can be exported"
         )
+    if dtype is None:
+        dtype = _checkpoint_export_dtype(step_dir)
     model = _load_kiln_model(cfg, step_dir)
     names = _name_map(cfg)
-    tensors = {
-        names[name]: tensor.to(_DTYPES[dtype]).contiguous()
-        for name, tensor in model.state_dict().items()
-    }
+    # References to the model's own tensors: nothing is converted before its shard is written.
+    weights = {names[name]: tensor for name, tensor in model.state_dict().items()}
+    shards = _plan_shards(weights, _DTYPES[dtype], shard_bytes)
 
     tokenizer = find_tokenizer(step_dir)
     special = _special_tokens(tokenizer) if tokenizer is not None else {}
@@ -105,7 +132,21 @@ def kiln_to_hf(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "float32")
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     partial.mkdir(parents=True)
     try:
-        save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+        for file, shard_names in shards.items():
+            converted = {
+                name: weights[name].to(_DTYPES[dtype]).contiguous() for name in shard_names
+            }
+            save_file(converted, partial / file, metadata={"format": "pt"})
+            del converted
+        if len(shards) > 1:
+            index = {
+                "metadata": {
+                    "total_parameters": sum(t.numel() for t in weights.values()),
+                    "total_size": sum(_nbytes(t, _DTYPES[dtype]) for t in weights.values()),
+                },
+                "weight_map": {name: file for file, group in shards.items() for name in group},
+            }
+            (partial / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_json(partial / "config.json", hf_config_from_model(cfg, dtype, special))
         if tokenizer is not None:
             shutil.copyfile(tokenizer, partial / "tokenizer.json")
@@ -116,6 +157,68 @@ def kiln_to_hf(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "float32")
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return out_dir
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB" (10^9), "2GiB" (2^30), "500MB" or "1000"."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = _SIZE.fullmatch(str(size).strip())
+        if match is None:
+            raise KilnError(
+                f"invalid max shard size {size!r}; write a number of bytes or a size such as "
+                "5GB, 500MB or 2GiB"
+            )
+        number, unit = match.groups()
+        value = int(float(number) * _SIZE_UNITS[(unit or "B").upper()])
+    if value <= 0:
+        raise KilnError(f"max shard size must be positive, got {size!r}")
+    return value
+
+
+def _plan_shards(
+    weights: dict[str, torch.Tensor], dtype: torch.dtype, max_bytes: int
+) -> dict[str, list[str]]:
+    """File name -> tensor names, filled in order like huggingface_hub's
+    `split_torch_state_dict_into_shards`: a tensor that would take a shard past `max_bytes`
+    starts the next one, and a tensor bigger than `max_bytes` gets a shard of its own."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, tensor in weights.items():
+        size = _nbytes(tensor, dtype)
+        if size > max_bytes:
+            groups.append([name])
+            continue
+        if current and current_bytes + size > max_bytes:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    if current:
+        groups.append(current)
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": group for i, group in enumerate(groups)}
+
+
+def _nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    return tensor.numel() * dtype.itemsize
+
+
+def _checkpoint_export_dtype(step_dir: Path) -> str:
+    """`checkpoint.export_dtype` of the run that wrote `step_dir`; float32 for checkpoints
+    written before kiln had that setting."""
+    config_file = step_dir / "config.toml"
+    dtype = read_toml(config_file).get("checkpoint", {}).get("export_dtype", "float32")
+    if dtype not in _DTYPES:
+        raise KilnError(
+            f"{config_file} sets checkpoint.export_dtype = {dtype!r}; pass --dtype with one of "
+            f"{', '.join(_DTYPES)}"
+        )
+    return dtype
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -234,7 +337,7 @@ def _name_map(cfg: ModelConfig) -> dict[str, str]:
 
 def _tensor_files(hf_dir: Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file that holds it."""
-    single, index = hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json"
+    single, index = hf_dir / "model.safetensors", hf_dir / _INDEX
     if index.is_file():
         weight_map = _read_json(index).get("weight_map", {})
         files = {name: hf_dir / file for name, file in weight_map.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,8 @@ class CheckpointSaver:
             # The background thread runs DCP's collectives; on the training group they would
             # interleave with the training loop's, so it gets a CPU group of its own.
             self._group = dist.new_group(backend="gloo") if distributed() else None
+            if not distributed():  # DCP's warning about one process, raised in its thread
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             self._stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=on_gpu,

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from kiln.config.sections import DataConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.mixture import choose_datasets, probabilities_at, within_dataset_indices
-from kiln.resilience.preemption import ignore_preemption_signals
+from kiln.resilience.preemption import detach_loader_worker
 from kiln.train.loss import IGNORE_INDEX
 
 
@@ -155,7 +155,7 @@ class BatchLoader:
             collate_fn=_identity,
             num_workers=workers,
             prefetch_factor=self.prefetch_steps if workers else None,
-            worker_init_fn=ignore_preemption_signals,
+            worker_init_fn=detach_loader_worker,
         )
 
     def plan(self, state: dict[str, Any]) -> dict[str, Any]:

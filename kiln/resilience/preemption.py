@@ -4,6 +4,7 @@ of dying in the middle of one."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -36,11 +37,14 @@ class PreemptionFlag:
         self._previous = {}
 
 
-def ignore_preemption_signals(worker_id: int = 0) -> None:
-    """For data-loader worker processes: torchrun signals the whole process group, and the
-    training process, not its workers, decides when to stop."""
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+def detach_loader_worker(worker_id: int = 0) -> None:
+    """For data-loader worker processes. torchrun signals the whole process group of a rank and
+    SLURM every process of the job, but the training process decides when to stop and shuts its
+    workers down itself: a worker killed first would fail the step that writes the checkpoint.
+    So a worker leaves the rank's process group and ignores SIGUSR1; SIGTERM stays deadly, as
+    the DataLoader needs it to stop a stuck worker."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class Preempted(Exception):
