@@ -171,7 +171,8 @@ def parse_size(size: int | str) -> int:
                 "5GB, 500MB or 2GiB"
             )
         number, unit = match.groups()
-        value = int(float(number) * _SIZE_UNITS[(unit or "B").upper()])
+        scale = _SIZE_UNITS[(unit or "B").upper()]
+        value = int(float(number) * scale) if "." in number else int(number) * scale
     if value <= 0:
         raise KilnError(f"max shard size must be positive, got {size!r}")
     return value

@@ -83,9 +83,11 @@ def init_parallel(
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
+            **_restart_safe_store(world_size, timeout),
         )
     mesh = init_device_mesh(
         device.type, tuple(degrees[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
@@ -93,3 +95,25 @@ def init_parallel(
     return ParallelContext(
         rank=dist.get_rank(), world_size=world_size, device=device, degrees=degrees, mesh=mesh
     )
+
+
+def _restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dict:
+    """Under torchrun, the store of the launcher with a prefix per restart attempt. torch 2.13's
+    launcher keeps one store across `--max-restarts` attempts, and without the prefix a restarted
+    worker can read the address a dead worker of the previous attempt published and fail to
+    connect. Outside torchrun: the default env:// rendezvous."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"kiln/attempt_{attempt}", client),
+        "rank": int(os.environ["RANK"]),
+        "world_size": world_size,
+    }

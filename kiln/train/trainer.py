@@ -187,8 +187,6 @@ class Trainer:
             watchdog.disarm()
             first = False
             window.add(result.loss, result.tokens)
-            if not result.finite:
-                self._non_finite_step(result, logger)
             run_eval = cfg.eval.interval and self.step % cfg.eval.interval == 0
             if (
                 self.step % cfg.metrics.log_interval == 0
@@ -204,6 +202,8 @@ class Trainer:
                     logger.log(record)
                 records.append(record)
                 window = _Window()
+            if not result.finite and self._non_finite_step(result, logger):
+                continue  # rolled back: nothing of this step to checkpoint
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 started = time.perf_counter()
                 self.save()
@@ -216,8 +216,9 @@ class Trainer:
         self.saver.close()
         return records
 
-    def _non_finite_step(self, result: StepResult, logger: MetricsLogger) -> None:
-        """The update of this step was skipped; after too many in a row, stop or roll back."""
+    def _non_finite_step(self, result: StepResult, logger: MetricsLogger) -> bool:
+        """The update of this step was skipped; after too many in a row, stop or roll back
+        (then return True)."""
         action = self.nan_guard.update(finite=False)
         if self.parallel.is_main:
             warn(
@@ -236,6 +237,7 @@ class Trainer:
             )
         if action == "rollback":
             self._rollback(logger)
+        return action == "rollback"
 
     def _rollback(self, logger: MetricsLogger) -> None:
         """Back to the newest checkpoint's weights, optimizer and step; the data keeps going

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kiln.checkpoint import load_checkpoint, read_model_config, resolve_checkpoint, save_checkpoint
-from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf, model_config_from_hf
-from kiln.config import JobConfig, ModelConfig
+from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf, model_config_from_hf, parse_size
+from kiln.cli import main
+from kiln.config import CheckpointConfig, JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.model import Transformer, build_model, materialize
 from kiln.model.generate import generate
@@ -145,9 +146,11 @@ def test_transformers_4_config_is_read(hf_dir, tmp_path):
     assert (cfg.rope_theta, cfg.n_kv_heads) == (250000.0, 2)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_kiln_to_hf_logits_match(tmp_path, tied):
-    # The same tiny Llama as the HF-side tests, described in kiln's terms.
+def _save_kiln(
+    tmp_path: Path, *, tied: bool = False, checkpoint: CheckpointConfig | None = None
+) -> tuple[Transformer, Path]:
+    """The same tiny Llama as the HF-side tests, described in kiln's terms, saved as a kiln
+    checkpoint (with a tokenizer) under tmp_path/ckpt."""
     cfg = model_config_from_hf(_llama_config(tie_word_embeddings=tied).to_dict())
     cfg.init_std = 0.1
     model = materialize(build_model(cfg), device="cpu", seed=3)
@@ -158,17 +161,105 @@ def test_kiln_to_hf_logits_match(tmp_path, tied):
         7,
         model=model,
         optimizer=None,
-        config=JobConfig(model=cfg),
+        config=JobConfig(model=cfg, checkpoint=checkpoint or CheckpointConfig()),
         train_state={},
         tokenizer_path=tokenizer,
     )
+    return model, tmp_path / "ckpt"
 
-    out = kiln_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_kiln_to_hf_logits_match(tmp_path, tied):
+    model, ckpt = _save_kiln(tmp_path, tied=tied)
+    out = kiln_to_hf(ckpt, tmp_path / "hf")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
     tokens = _tokens()
     with torch.no_grad():
         assert _max_diff(hf_model.eval()(tokens).logits, model(tokens)) <= TOLERANCE
     assert ("lm_head.weight" in load_file(out / "model.safetensors")) is not tied
+    assert not (out / "model.safetensors.index.json").exists()
+
+
+def test_sharded_export_loads_in_transformers(tmp_path, capsys):
+    model, ckpt = _save_kiln(tmp_path)
+    # 50 kB: the 77 kB embedding and head get a shard each, the smaller tensors share shards.
+    args = ["convert", "kiln-to-hf", str(ckpt), str(tmp_path / "hf"), "--max-shard-size", "50KB"]
+    assert main(args) == 0
+    out = tmp_path / "hf"
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(path.name for path in out.glob("*.safetensors"))
+    n = len(files)
+    assert n > 3
+    assert files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(set(index["weight_map"].values())) == files
+
+    total = 0
+    for file in files:
+        shard = load_file(out / file)
+        assert {k for k, v in index["weight_map"].items() if v == file} == shard.keys()
+        size = sum(t.numel() * t.element_size() for t in shard.values())
+        assert size <= 50_000 or len(shard) == 1, file
+        total += size
+    assert index["metadata"]["total_size"] == total
+    assert len(index["weight_map"]) == len(model.state_dict())
+
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+    tokens = _tokens()
+    with torch.no_grad():
+        assert _max_diff(hf_model.eval()(tokens).logits, model(tokens)) <= TOLERANCE
+
+
+def test_export_dtype_comes_from_the_checkpoint(tmp_path):
+    _, ckpt = _save_kiln(tmp_path, checkpoint=CheckpointConfig(export_dtype="bfloat16"))
+
+    def exported(out: Path) -> tuple[set[torch.dtype], str]:
+        """The dtypes of the weights, and the dtype config.json names."""
+        weights = load_file(out / "model.safetensors")
+        config = json.loads((out / "config.json").read_text())
+        return {t.dtype for t in weights.values()}, config["torch_dtype"]
+
+    assert exported(kiln_to_hf(ckpt, tmp_path / "default")) == ({torch.bfloat16}, "bfloat16")
+    # An explicit dtype wins over the checkpoint's.
+    out = kiln_to_hf(ckpt, tmp_path / "fp16", dtype="float16")
+    assert exported(out) == ({torch.float16}, "float16")
+    # A checkpoint from before checkpoint.export_dtype existed exports float32. (Its marker held
+    # only the step, so the edited config.toml is not taken for a damaged file.)
+    step_dir = resolve_checkpoint(ckpt)
+    lines = (step_dir / "config.toml").read_text().splitlines()
+    (step_dir / "config.toml").write_text("\n".join(x for x in lines if "export_dtype" not in x))
+    (step_dir / "COMPLETE").write_text("7\n")
+    assert exported(kiln_to_hf(ckpt, tmp_path / "old")) == ({torch.float32}, "float32")
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (1000, 1000),
+        ("1000", 1000),
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("500mb", 500 * 10**6),
+        ("2GiB", 2 * 2**30),
+        ("1.5 KB", 1500),
+    ],
+)
+def test_parse_size(size, expected):
+    assert parse_size(size) == expected
+
+
+@pytest.mark.parametrize("size", ["", "five GB", "5XB", "5GB5", "0", "-1", "0MB"])
+def test_bad_max_shard_size_is_one_clear_error(tmp_path, capsys, size):
+    with pytest.raises(KilnError, match="max shard size"):
+        parse_size(size)
+    # The CLI says so in one line before reading the checkpoint, and writes nothing.
+    args = ["convert", "kiln-to-hf", str(tmp_path / "nowhere"), str(tmp_path / "hf")]
+    assert main([*args, f"--max-shard-size={size}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln convert: error:") and "max shard size" in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
 
 
 def test_exported_tokenizer_loads_in_transformers(kiln_ckpt, tmp_path):

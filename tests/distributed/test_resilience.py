@@ -1,0 +1,218 @@
+"""Jobs that are told to stop, lose a rank or blow up (DESIGN §7): real processes, real signals.
+
+Ranks are started by hand (RANK, WORLD_SIZE, MASTER_ADDR) where the test must see what kiln
+itself does, and by torchrun where the launcher's part (restarts) is under test."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import DEBUG_CONFIG
+from tests.distributed.parity import env
+
+PREEMPTED = 75
+
+
+def _args(run_dir: Path, demo_data: Path, *overrides: str) -> list[str]:
+    return [
+        str(DEBUG_CONFIG),
+        f"--data.path={demo_data}",
+        f"--metrics.run_dir={run_dir}",
+        "--metrics.log_interval=1",
+        "--metrics.plot=false",
+        "--train.seq_len=64",
+        "--checkpoint.save_final=false",
+        *overrides,
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(nproc: int, args: list[str], logs: Path) -> list[subprocess.Popen]:
+    """`nproc` ranks of one job without a launcher, each logging to logs/rank_R.txt."""
+    logs.mkdir(parents=True, exist_ok=True)
+    common = {
+        **env(),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(nproc),
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "kiln", "train", *args],
+            env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=(logs / f"rank_{r}.txt").open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(nproc)
+    ]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"ranks still running after {timeout} s") from None
+    return codes
+
+
+def _wait_for_step(run_dir: Path, step: int, procs, timeout: float = 120) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and any(
+            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
+        ):
+            return
+        assert all(p.poll() is None for p in procs), "the job ended before the signal"
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} never logged")
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def _log(logs: Path, rank: int = 0) -> str:
+    return (logs / f"rank_{rank}.txt").read_text()
+
+
+def test_signal_to_one_rank_stops_all_at_a_step_with_a_checkpoint_and_resumes_bitwise(
+    tmp_path, demo_data
+):
+    steps = 60
+    overrides = [
+        f"--train.max_steps={steps}",
+        "--train.batch_size=2",
+        "--checkpoint.interval=0",
+        "--checkpoint.async_mode='async'",
+    ]
+    reference = tmp_path / "reference"
+    ref_procs = _start_ranks(2, _args(reference, demo_data, *overrides), tmp_path / "ref_logs")
+    assert _wait_all(ref_procs, 300) == [0, 0], _log(tmp_path / "ref_logs")
+
+    run = tmp_path / "run"
+    procs = _start_ranks(2, _args(run, demo_data, *overrides), tmp_path / "logs")
+    _wait_for_step(run, 3, procs)
+    procs[1].send_signal(signal.SIGUSR1)  # rank 0 is never told: it must learn it from rank 1
+    assert _wait_all(procs, 120) == [PREEMPTED, PREEMPTED], _log(tmp_path / "logs")
+    stopped = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert 3 <= stopped < steps
+    # Rank 0 got no signal and learnt of it at the step boundary.
+    assert "stopped by a signal on another rank" in _log(tmp_path / "logs", 0)
+    assert f"code {PREEMPTED}" in _log(tmp_path / "logs", 0)
+
+    procs = _start_ranks(2, _args(run, demo_data, *overrides), tmp_path / "resume_logs")
+    assert _wait_all(procs, 300) == [0, 0], _log(tmp_path / "resume_logs")
+    assert f"resumed from {run / 'checkpoints'}" in _log(tmp_path / "resume_logs")
+    assert _losses(run) == _losses(reference)  # bitwise, every step
+
+
+def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint(
+    tmp_path, demo_data
+):
+    timeout = 20
+    overrides = [
+        "--train.max_steps=200",
+        "--train.batch_size=1",
+        f"--resilience.collective_timeout_s={timeout}",
+    ]
+    run = tmp_path / "run"
+    procs = _start_ranks(4, _args(run, demo_data, *overrides), tmp_path / "logs")
+    _wait_for_step(run, 3, procs)
+    procs[2].kill()
+    started = time.monotonic()
+    codes = _wait_all([procs[r] for r in (0, 1, 3)], timeout + 30)
+    assert all(code != 0 for code in codes), codes
+    assert time.monotonic() - started < timeout + 30
+    assert "a collective failed during step" in _log(tmp_path / "logs", 0)
+
+    # The launcher's part: a rank dies, torchrun restarts the job, which resumes and finishes.
+    run = tmp_path / "elastic"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "--max-restarts=1",
+        "-m",
+        "kiln",
+        "train",
+        *_args(run, demo_data, "--train.max_steps=60", "--train.batch_size=1"),
+        "--checkpoint.interval=2",
+    ]
+    launcher = subprocess.Popen(
+        command, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    _wait_for_step(run, 5, [launcher])
+    workers = _children(launcher.pid)
+    assert len(workers) == 4
+    os.kill(workers[1], signal.SIGKILL)
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "kiln: resumed from" in output
+    assert max(_losses(run)) == 60
+
+
+def _children(pid: int) -> list[int]:
+    return sorted(map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()))
+
+
+def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(tmp_path, demo_data):
+    run = tmp_path / "run"
+    overrides = [
+        "--train.max_steps=10",
+        "--train.batch_size=2",
+        "--checkpoint.interval=4",
+        "--resilience.debug_nan_steps=[3, 7, 8]",
+        "--resilience.nan_max_consecutive=2",
+        "--resilience.nan_action='rollback'",
+    ]
+    procs = _start_ranks(2, _args(run, demo_data, *overrides), tmp_path / "logs")
+    assert _wait_all(procs, 300) == [0, 0], _log(tmp_path / "logs")
+    log = _log(tmp_path / "logs")
+    assert "step 3: non-finite loss" in log and "(1 in a row" in log
+    assert "rolled back from step 8 to" in log and "step_00000004" in log
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert math.isnan(records[2]["loss"]) and math.isfinite(records[3]["loss"])
+    assert records[-1]["skipped_steps"] == 3
+
+
+def test_too_many_non_finite_steps_stop_the_job_with_a_message(tmp_path, demo_data):
+    args = _args(
+        tmp_path / "run",
+        demo_data,
+        "--train.max_steps=10",
+        "--resilience.debug_nan_steps=[2, 3]",
+        "--resilience.nan_max_consecutive=2",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln", "train", *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "2 steps in a row up to step 3 had a non-finite loss" in result.stderr
+    assert "Traceback" not in result.stderr
