@@ -1,0 +1,73 @@
+"""One run carried through four layouts (DESIGN §7): a Hugging Face model converted to kiln is the
+warm start of a `dp_shard=4` job, whose checkpoints resume as `tp=2 × dp_shard=2`, then
+`pp=2 × dp_shard=2`, then one process; every step matches one process that ran it all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.checkpoint.hf_convert import hf_to_kiln
+from tests.distributed.parity import GLOBAL_BATCH, assert_parity, records, train
+
+transformers = pytest.importorskip("transformers")
+
+SEGMENT = 2
+LAYOUTS = [
+    (4, ["--distributed.dp_shard=4"]),
+    (4, ["--distributed.tp=2", "--distributed.dp_shard=2"]),
+    (4, ["--distributed.pp=2", "--distributed.dp_shard=2"]),
+    (1, []),
+]
+
+
+def _converted_debug_model(tmp_path):
+    """A random HF Llama shaped like the debug preset, converted with `hf-to-kiln`."""
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    return hf_to_kiln(tmp_path / "hf", tmp_path / "converted")
+
+
+def test_checkpoints_move_through_four_layouts(tmp_path, demo_data):
+    converted = _converted_debug_model(tmp_path)
+    steps = SEGMENT * len(LAYOUTS)
+    common = [
+        f"--checkpoint.load_path={converted}",
+        f"--checkpoint.interval={SEGMENT}",
+        "--data.num_workers=0",
+        # Each leg ends at its own max_steps: a schedule that does not depend on it.
+        "--scheduler.name='constant'",
+        "--scheduler.warmup_steps=1",
+    ]
+    one = train(
+        tmp_path, "one", demo_data, 1, *common, f"--train.batch_size={GLOBAL_BATCH}", steps=steps
+    )
+    for index, (nproc, layout) in enumerate(LAYOUTS):
+        data_ranks = nproc // (2 if len(layout) == 2 else 1)
+        train(
+            tmp_path,
+            "moved",
+            demo_data,
+            nproc,
+            *common,
+            *layout,
+            f"--train.batch_size={GLOBAL_BATCH // data_ranks}",
+            steps=SEGMENT * (index + 1),
+        )
+    moved = records(tmp_path / "moved")
+    assert sorted(moved) == list(range(1, steps + 1))
+    assert_parity(moved, records(one), steps=range(1, steps + 1))

@@ -1,0 +1,157 @@
+"""What can go wrong around checkpoints on one process (DESIGN §7): damaged checkpoints, a run
+directory of another config, async saves, a full or unwritable disk."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.checkpoint import load_checkpoint
+from kiln.checkpoint.layout import resume_candidates
+from kiln.errors import ConfigError, KilnError
+from tests.conftest import DEBUG_CONFIG
+from tests.unit.test_trainer import make_trainer
+
+
+def _trainer(overrides, *extra):
+    return make_trainer(overrides, "--data.num_workers=0", "--train.max_steps=8", *extra)
+
+
+def _run_to(trainer, step):
+    while trainer.step < step:
+        trainer.train_step()
+
+
+@pytest.fixture
+def saved_at_2_and_4(debug_overrides, tmp_path):
+    trainer = _trainer(debug_overrides)
+    for step in (2, 4):
+        _run_to(trainer, step)
+        trainer.save()
+    return tmp_path / "run" / "checkpoints"
+
+
+def test_a_truncated_checkpoint_is_skipped_with_a_warning(
+    debug_overrides, saved_at_2_and_4, capsys
+):
+    shard = next((saved_at_2_and_4 / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    trainer = _trainer(debug_overrides)
+    assert trainer.step == 2
+    warning = capsys.readouterr().err
+    assert "skipping" in warning and "step_00000004" in warning and shard.name in warning
+
+
+def test_a_checkpoint_without_its_marker_is_skipped_with_a_warning(
+    debug_overrides, saved_at_2_and_4, capsys
+):
+    (saved_at_2_and_4 / "step_00000004" / "COMPLETE").unlink()
+    assert _trainer(debug_overrides).step == 2
+    assert "ignoring" in capsys.readouterr().err
+
+
+def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(debug_overrides, saved_at_2_and_4):
+    for step in (2, 4):
+        (saved_at_2_and_4 / f"step_0000000{step}" / "train_state.json").write_text("{}")
+    assert resume_candidates(saved_at_2_and_4)[0] is None
+    with pytest.raises(KilnError, match="none is intact"):
+        _trainer(debug_overrides)
+
+
+def test_a_different_config_is_refused_unless_forced(debug_overrides, saved_at_2_and_4, capsys):
+    with pytest.raises(ConfigError, match=r"optimizer.lr: 0.003 -> 0.001.*resume=force"):
+        _trainer(debug_overrides, "--optimizer.lr=1e-3")
+    forced = _trainer(debug_overrides, "--optimizer.lr=1e-3", "--checkpoint.resume=force")
+    assert forced.step == 4 and "optimizer.lr" in capsys.readouterr().err
+    # The layout, the step count and the checkpoint settings are not part of the run's identity.
+    assert _trainer(debug_overrides, "--train.max_steps=20", "--checkpoint.keep_last_n=1").step
+
+
+def test_async_save_writes_what_the_step_held(debug_overrides, tmp_path):
+    trainer = _trainer(debug_overrides, "--checkpoint.async_mode='async'")
+    _run_to(trainer, 3)
+    expected = {k: v.clone() for k, v in trainer.model_parts[0].state_dict().items()}
+    trainer.save()
+    trainer.train_step()  # changes the weights while the write may still run
+    trainer.saver.close()
+    reloaded = _trainer([*debug_overrides, "--train.max_steps=3"])
+    reloaded_state = reloaded.model_parts[0].state_dict()
+    assert reloaded.step == 3
+    assert all(torch.equal(reloaded_state[k], v) for k, v in expected.items())
+
+
+def test_model_only_false_needs_optimizer_state(debug_overrides, saved_at_2_and_4, tmp_path):
+    warm = [f"--checkpoint.load_path={saved_at_2_and_4}", "--checkpoint.model_only=false"]
+    fork = _trainer([*debug_overrides[:1], f"--metrics.run_dir={tmp_path / 'fork'}"], *warm)
+    assert fork.step == 4  # the whole training state, continued in a new run directory
+    model = fork.model_parts[0]
+    state = load_checkpoint(saved_at_2_and_4, model=model)
+    assert state["step"] == 4
+
+
+def _train_cli(*args, limit_bytes=None, cwd):
+    def limit():  # a "full disk": no file may grow past limit_bytes
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", "train", str(DEBUG_CONFIG), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        preexec_fn=limit if limit_bytes else None,
+    )
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_full_disk_is_one_clear_error_and_keeps_the_previous_checkpoint(
+    demo_data, tmp_path, mode
+):
+    common = [
+        f"--data.path={demo_data}",
+        "--metrics.run_dir=run",
+        "--checkpoint.interval=2",
+        "--scheduler.warmup_steps=1",
+        "--data.num_workers=0",
+        f"--checkpoint.async_mode='{mode}'",
+    ]
+    first = _train_cli(*common, "--train.max_steps=2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = {p.name: p.stat().st_size for p in (checkpoints / "step_00000002").iterdir()}
+
+    full = _train_cli(*common, "--train.max_steps=4", limit_bytes=1_000_000, cwd=tmp_path)
+    assert full.returncode == 2
+    assert "could not write the checkpoint of step 4" in full.stderr
+    assert "step_00000002 is intact" in full.stderr and "Traceback" not in full.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002"]
+    assert (checkpoints / "latest").read_text().strip() == "step_00000002"
+    after = {p.name: p.stat().st_size for p in (checkpoints / "step_00000002").iterdir()}
+    assert after == before
+    assert resume_candidates(checkpoints)[0] == checkpoints / "step_00000002"
+
+
+def test_an_unwritable_checkpoint_dir_fails_at_start(demo_data, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    result = _train_cli(
+        f"--data.path={demo_data}",
+        "--metrics.run_dir=run",
+        f"--checkpoint.dir={tmp_path / 'a_file' / 'checkpoints'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "is not writable" in result.stderr and "checkpoint.dir" in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_marker_lists_every_file(saved_at_2_and_4):
+    manifest = json.loads((saved_at_2_and_4 / "step_00000004" / "COMPLETE").read_text())
+    assert manifest["step"] == 4
+    assert {"train_state.json", "config.toml", ".metadata", "rng/rank_00000.pt"} <= set(
+        manifest["files"]
+    )
