@@ -24,6 +24,7 @@ from kiln.checkpoint import (
 )
 from kiln.checkpoint.fingerprint import fingerprint_changes, run_fingerprint
 from kiln.checkpoint.layout import complete_steps, resume_candidates
+from kiln.checkpoint.state import first_line
 from kiln.config import JobConfig, to_toml, validate
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import BatchLoader, Source
@@ -160,7 +161,7 @@ class Trainer:
                 raise
             raise KilnError(
                 f"rank {self.parallel.rank}: a collective failed during step {self.step + 1}: "
-                f"{_first_line(error)}. Another rank most likely died or hung (its log names "
+                f"{first_line(error)}. Another rank most likely died or hung (its log names "
                 f"why); the job resumes from {latest_complete(self.checkpoint_dir) or 'scratch'} "
                 "when restarted"
             ) from None
@@ -698,11 +699,6 @@ def _is_collective_failure(error: RuntimeError) -> bool:
     return isinstance(error, dist.DistError) or any(
         word in text for word in ("gloo", "nccl", "connection closed", "timed out", "socket")
     )
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def latest_step(checkpoint_dir: Path) -> int | None:
