@@ -203,7 +203,8 @@ class Trainer:
                     logger.log(record)
                 records.append(record)
                 window = _Window()
-            if not result.finite and self._non_finite_step(result, logger):
+            action = self.nan_guard.update(finite=result.finite)
+            if action != "ok" and self._non_finite_step(action, result, logger):
                 continue  # rolled back: nothing of this step to checkpoint
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 started = time.perf_counter()
@@ -217,10 +218,9 @@ class Trainer:
         self.saver.close()
         return records
 
-    def _non_finite_step(self, result: StepResult, logger: MetricsLogger) -> bool:
-        """The update of this step was skipped; after too many in a row, stop or roll back
-        (then return True)."""
-        action = self.nan_guard.update(finite=False)
+    def _non_finite_step(self, action: str, result: StepResult, logger: MetricsLogger) -> bool:
+        """The update of this step was skipped; after too many in a row (`action` 'stop' or
+        'rollback'), stop or roll back (then return True)."""
         if self.parallel.is_main:
             warn(
                 f"step {self.step}: non-finite loss or gradient norm (loss {result.loss.item()}, "
@@ -337,8 +337,6 @@ class Trainer:
                     group["lr"] = lr
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if finite:
-            self.nan_guard.reset()
         self.step += 1
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         self.tokens_seen += tokens
