@@ -31,7 +31,11 @@ class TrainConfig:
     seq_len: int = 256
     batch_size: int = 8
     grad_accum_steps: int = 1
+    # The run's length and the learning-rate schedule's horizon.
     max_steps: int = 100
+    # End this invocation early, with a checkpoint, without touching the schedule (0: off).
+    stop_at_step: int = 0
+    time_limit_minutes: float = 0.0
     seed: int = 0
     device: str = "auto"
     mixed_precision: str = "bf16"
@@ -161,6 +165,9 @@ class MetricsConfig:
     log_interval: int = 10
     jsonl: bool = True
     plot: bool = True
+    # Log every parameter's gradient norm (before clipping) under `param_grad_norms`; one
+    # collective per parameter, so a debugging and parity aid rather than a default.
+    param_grad_norms: bool = False
 
 
 @dataclass

@@ -38,6 +38,7 @@ from kiln.data.sources import (
 from kiln.errors import ConfigError, KilnError
 from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics, truncate_after, warn
 from kiln.metrics.mfu import mfu, peak_flops
+from kiln.metrics.param_norms import param_grad_norms
 from kiln.metrics.plot import plot_loss_curve
 from kiln.model import build_model, flops_per_token, materialize
 from kiln.model.document_mask import document_ids
@@ -314,11 +315,19 @@ class Trainer:
                 self.dataset_losses.add(losses, labels, batch.dataset_ids[index])
         if self.tied is not None:
             self.tied.sync_grads()
+        duplicates = self.tied.duplicates if self.tied is not None else ()
+        param_norms = (
+            param_grad_norms(
+                self.model_parts, pipeline_group=self.pipeline_group, duplicates=duplicates
+            )
+            if self.cfg.metrics.param_grad_norms
+            else None
+        )
         grad_norm = clip_grad_norm(
             [p for part in self.model_parts for p in part.parameters()],
             self.cfg.train.grad_clip_norm,
             pipeline_group=self.pipeline_group,
-            duplicates=self.tied.duplicates if self.tied is not None else (),
+            duplicates=duplicates,
         )
         # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
         total = _sum_over(total, self.pipeline_group)
@@ -340,7 +349,7 @@ class Trainer:
         self.step += 1
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         self.tokens_seen += tokens
-        return StepResult(loss, grad_norm, lr, tokens, finite, stop)
+        return StepResult(loss, grad_norm, lr, tokens, finite, stop, param_norms)
 
     def _agree(self, *, finite: torch.Tensor, stop: bool) -> tuple[bool, bool]:
         """(every rank finite, any rank asked to stop): one small all-reduce per step, so all
@@ -622,6 +631,8 @@ class Trainer:
             "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
             "skipped_steps": self.nan_guard.skipped_total,
         }
+        if result.param_grad_norms is not None:
+            record["param_grad_norms"] = result.param_grad_norms
         if self.dataset_losses is not None:
             record |= self.dataset_losses.reduce(
                 data_group=self.parallel.data_group(), pipeline_group=self.pipeline_group
@@ -636,6 +647,7 @@ class StepResult(NamedTuple):
     tokens: int
     finite: bool  # False: the update was skipped
     stop: bool  # some rank was asked to stop (SIGTERM/SIGUSR1)
+    param_grad_norms: dict[str, float] | None = None  # metrics.param_grad_norms
 
 
 class _Window:
