@@ -22,7 +22,6 @@ from kiln.checkpoint.state import (
     Modules,
     Optimizers,
     distributed,
-    first_line,
     merged,
     pairs,
     rank,
@@ -31,7 +30,7 @@ from kiln.checkpoint.state import (
     state_dicts,
 )
 from kiln.config import JobConfig, ModelConfig, config_from_dict, read_toml
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
 
 
 def save_checkpoint(

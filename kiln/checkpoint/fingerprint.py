@@ -1,7 +1,9 @@
 """What makes two runs the same run: the settings that change the math of training (model,
 optimizer, schedule, data, sequence length, seed, global batch). A checkpoint records them, and
-resuming under different ones is refused unless forced; the layout, step count, logging and
-checkpoint settings may change freely between restarts."""
+resuming under different ones is refused unless forced; the layout, logging and checkpoint
+settings, and where an invocation stops (train.stop_at_step, train.time_limit_minutes) may change
+freely between restarts. train.max_steps is the horizon of a decaying learning-rate schedule, so it
+belongs to the run unless the schedule is flat."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ DEFINING = (
     "train.grad_clip_norm",
 )
 NOT_DEFINING = ("data.num_workers", "data.prefetch_steps", "model.preset")
+FLAT_SCHEDULES = ("constant", "none")
 
 
 def run_fingerprint(cfg: JobConfig, *, global_batch: int) -> dict[str, Any]:
@@ -31,12 +34,16 @@ def run_fingerprint(cfg: JobConfig, *, global_batch: int) -> dict[str, Any]:
         for key, value in flat.items()
         if key.startswith(DEFINING) and key not in NOT_DEFINING
     }
+    if cfg.scheduler.name not in FLAT_SCHEDULES:
+        kept["train.max_steps"] = cfg.train.max_steps
     return {**kept, "train.global_batch": global_batch}
 
 
 def fingerprint_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """One `key: saved -> current` line per setting that differs."""
-    keys = sorted(set(saved) | set(current))
+    """One `key: saved -> current` line per setting that differs. A setting the saved
+    fingerprint lacks was added by a later kiln: the older run did not record it, so it is not
+    a change."""
+    keys = sorted(set(saved))
     return [
         f"{key}: {saved.get(key, '(unset)')!r} -> {current.get(key, '(unset)')!r}"
         for key in keys

@@ -10,12 +10,15 @@ of leaving the others waiting:
 3. rank 0 commits: marker with the file manifest, rename into place, `latest`, retention.
 
 A failed save removes its partial folder; the previous checkpoint and `latest` stay as they were.
+Finishing a background save (`wait`) is collective too: the caller decides when, the same on
+every rank (see CheckpointManager), and a failure on any rank is raised on all of them.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,20 +36,27 @@ from kiln.checkpoint.state import (
     Modules,
     Optimizers,
     distributed,
-    first_line,
     merged_state,
     rank,
     rng_state,
     single_process_quiet,
 )
 from kiln.config import JobConfig, to_toml
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
+from kiln.parallel.agree import raise_any_failure
+from kiln.parallel.mutations import mutation_on
+
+# Test-only: rank 0 commits late, so the other ranks finish a background save first (the race
+# that once made ranks disagree on the last saved step).
+DELAY_COMMIT_FOR_TESTS = "KILN_TEST_DELAY_COMMIT"
 
 
 @dataclass
 class _InFlight:
     step: int
     future: Future
+    started: float
+    finished: float | None = None
 
 
 class CheckpointSaver:
@@ -61,6 +71,8 @@ class CheckpointSaver:
         self.root = Path(root)
         self.keep_last_n = keep_last_n
         self.in_flight: _InFlight | None = None
+        # Wall time of the last save from its start until written (the background part too).
+        self.last_seconds = 0.0
         self._group = self._stager = None
         if async_mode == "async":
             on_gpu = device is not None and device.type == "cuda"
@@ -90,14 +102,15 @@ class CheckpointSaver:
     ) -> Path:
         """Write step `step`; with async, return once the state is staged (see `wait`)."""
         self.wait()  # one save in flight at most
+        started = time.monotonic()
         partial = layout.partial_dir(self.root, step)
         failure = None
         if rank() == 0:
             failure = self._attempt(
                 step, lambda: self._prepare(partial, step, config, train_state, tokenizer_path)
             )
-        self._agree(step, failure)
-        self._agree(step, self._attempt(step, lambda: self._write_rng(partial)))
+        raise_any_failure(failure)
+        raise_any_failure(self._attempt(step, lambda: self._write_rng(partial)))
         state = merged_state(model, optimizer)
         if self._stager is not None:
             with single_process_quiet():
@@ -108,7 +121,8 @@ class CheckpointSaver:
                     async_stager=self._stager,
                     no_dist=not distributed(),
                 )
-            self.in_flight = _InFlight(step, future)
+            in_flight = self.in_flight = _InFlight(step, future, started)
+            future.add_done_callback(lambda _: setattr(in_flight, "finished", time.monotonic()))
             return layout.step_dir(self.root, step)
         try:
             with single_process_quiet():
@@ -116,30 +130,31 @@ class CheckpointSaver:
         except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
             self._abandon(step)
             raise self._error(step, first_line(error)) from None
+        self.last_seconds = time.monotonic() - started
         failure = self._attempt(step, lambda: self._commit(step)) if rank() == 0 else None
-        self._agree(step, failure)
+        raise_any_failure(failure)
         return layout.step_dir(self.root, step)
 
-    def poll(self) -> None:
-        """Commit a background save that has finished (rank 0 moves `latest` as soon as it can)."""
-        if self.in_flight is not None and self.in_flight.future.done():
-            self.wait()
+    def written_locally(self) -> bool:
+        """Whether this rank's part of the save in flight is written (none in flight: True)."""
+        return self.in_flight is None or self.in_flight.future.done()
 
     def wait(self) -> None:
-        """Block until the save in flight is written and committed; raise if it failed."""
+        """Collective: block until the save in flight is written, commit it on rank 0, and raise
+        any rank's failure on every rank."""
         if self.in_flight is None:
             return
-        step, future = self.in_flight.step, self.in_flight.future
-        self.in_flight = None
+        in_flight, self.in_flight = self.in_flight, None
+        failure = None
         try:
-            future.result()
+            in_flight.future.result()
         except (Exception, CheckpointException) as error:
-            self._abandon(step)
-            raise self._error(step, first_line(error)) from None
-        if rank() == 0:
-            failure = self._attempt(step, lambda: self._commit(step))
-            if failure is not None:
-                raise KilnError(failure)
+            self._abandon(in_flight.step)
+            failure = str(self._error(in_flight.step, first_line(error)))
+        self.last_seconds = (in_flight.finished or time.monotonic()) - in_flight.started
+        if failure is None and rank() == 0:
+            failure = self._attempt(in_flight.step, lambda: self._commit(in_flight.step))
+        raise_any_failure(failure)
 
     def close(self) -> None:
         """Finish the save in flight and release the staging memory."""
@@ -174,6 +189,8 @@ class CheckpointSaver:
         torch.save(rng_state(), rng_dir / f"rank_{rank():05d}.pt")
 
     def _commit(self, step: int) -> None:
+        if mutation_on(DELAY_COMMIT_FOR_TESTS):
+            time.sleep(3)
         final = layout.commit(self.root, step)
         layout.prune(self.root, self.keep_last_n, keep=final)
 
@@ -186,15 +203,6 @@ class CheckpointSaver:
             where = f": {error.filename}" if error.filename else ""
             return str(self._error(step, f"{error.strerror or error}{where}"))
         return None
-
-    def _agree(self, step: int, failure: str | None) -> None:
-        """Raise `failure` of any rank on every rank."""
-        if distributed():
-            failures = [None] * dist.get_world_size()
-            dist.all_gather_object(failures, failure)
-            failure = next((f for f in failures if f is not None), None)
-        if failure is not None:
-            raise KilnError(failure)
 
     def _abandon(self, step: int) -> None:
         if rank() == 0:

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -76,13 +75,6 @@ def single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def first_line(error: BaseException) -> str:
-    if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]  # the per-rank cause, not the wrapper
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def rng_state() -> dict[str, Any]:

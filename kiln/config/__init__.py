@@ -1,4 +1,4 @@
-from kiln.config.dump import to_toml
+from kiln.config.dump import to_toml, write_config
 from kiln.config.load import config_from_dict, load_config, read_toml
 from kiln.config.sections import (
     CheckpointConfig,
@@ -31,4 +31,5 @@ __all__ = [
     "resolve_layout",
     "to_toml",
     "validate",
+    "write_config",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from kiln.config.sections import JobConfig
@@ -24,6 +26,14 @@ def to_toml(cfg: JobConfig) -> str:
                 lines += [f"{k} = {_literal(v)}" for k, v in entry.items()]
                 lines.append("")
     return "\n".join(lines)
+
+
+def write_config(cfg: JobConfig, path: Path) -> None:
+    """Write `cfg` to `path` atomically: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(to_toml(cfg))
+    os.replace(tmp, path)
 
 
 def _is_table_list(value: Any) -> bool:

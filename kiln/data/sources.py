@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.config.sections import DataConfig, DatasetSource
+from kiln.config.sections import DataConfig, DatasetSource, JobConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.demo_corpus import ensure_demo_corpus
 from kiln.data.loader import ShuffledSamples, Source
@@ -27,6 +27,29 @@ def dataset_entries(cfg: DataConfig) -> list[DatasetSource]:
             streaming=cfg.streaming,
         )
     ]
+
+
+def open_data(cfg: JobConfig, *, cache_dir: Path) -> tuple[list[Source], TokenDataset | None]:
+    """The training sources and, when [eval] is on, the held-out dataset, each checked against
+    the model's vocabulary and the training tokenizer. Nothing is built: a missing dataset is an
+    error here (see `ensure_local_data` for what is built on first use)."""
+    sources = open_training_data(
+        cfg.data,
+        seq_len=cfg.train.seq_len,
+        model_vocab_size=cfg.model.vocab_size,
+        seed=cfg.train.seed,
+        cache_dir=cache_dir,
+    )
+    eval_data = None
+    if cfg.eval.interval:
+        eval_data = open_eval_data(
+            cfg.eval.path,
+            cfg.data,
+            seq_len=cfg.train.seq_len,
+            model_vocab_size=cfg.model.vocab_size,
+            tokenizer_path=training_tokenizer(cfg.data, sources),
+        )
+    return sources, eval_data
 
 
 def open_training_data(

@@ -24,3 +24,18 @@ class NanGuard:
 
     def reset(self) -> None:
         self.consecutive = 0
+
+    def skipped_message(self, step: int, *, loss: float, grad_norm: float) -> str:
+        return (
+            f"step {step}: non-finite loss or gradient norm (loss {loss}, grad_norm {grad_norm}); "
+            f"the update was skipped ({self.consecutive} in a row, "
+            f"resilience.nan_max_consecutive = {self.max_consecutive})"
+        )
+
+    def stop_message(self, step: int, *, newest: object) -> str:
+        return (
+            f"{self.consecutive} steps in a row up to step {step} had a non-finite loss or "
+            f"gradient norm; stopping. The newest checkpoint is {newest or '(none)'}. Lower "
+            "optimizer.lr or train.grad_clip_norm, check the data, or set "
+            "resilience.nan_action = 'rollback'"
+        )

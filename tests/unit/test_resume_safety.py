@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kiln.checkpoint import load_checkpoint
+from kiln.checkpoint.fingerprint import fingerprint_changes, run_fingerprint
 from kiln.checkpoint.layout import resume_candidates
+from kiln.config import JobConfig
 from kiln.errors import ConfigError, KilnError
 from tests.conftest import DEBUG_CONFIG
 from tests.unit.test_trainer import make_trainer
@@ -68,8 +70,32 @@ def test_a_different_config_is_refused_unless_forced(debug_overrides, saved_at_2
         _trainer(debug_overrides, "--optimizer.lr=1e-3")
     forced = _trainer(debug_overrides, "--optimizer.lr=1e-3", "--checkpoint.resume=force")
     assert forced.step == 4 and "optimizer.lr" in capsys.readouterr().err
-    # The layout, the step count and the checkpoint settings are not part of the run's identity.
-    assert _trainer(debug_overrides, "--train.max_steps=20", "--checkpoint.keep_last_n=1").step
+    # Where an invocation stops and the checkpoint settings are not part of the run's identity.
+    stops = ["--train.stop_at_step=6", "--train.time_limit_minutes=60"]
+    assert _trainer(debug_overrides, *stops, "--checkpoint.keep_last_n=1").step == 4
+
+
+def test_a_new_horizon_is_refused_for_a_decaying_schedule(debug_overrides, saved_at_2_and_4):
+    """max_steps shapes the cosine schedule of the steps already taken: a change is refused with
+    the reason and the options that do not touch the schedule."""
+    with pytest.raises(ConfigError, match=r"train.max_steps: 8 -> 20.*horizon.*stop_at_step"):
+        _trainer(debug_overrides, "--train.max_steps=20")
+    assert _trainer(debug_overrides, "--train.max_steps=20", "--checkpoint.resume=force").step == 4
+
+
+def test_the_horizon_is_free_under_a_flat_schedule():
+    cfg = JobConfig()
+    cfg.scheduler.name = "constant"
+    flat = run_fingerprint(cfg, global_batch=8)
+    cfg.train.max_steps += 100
+    assert fingerprint_changes(flat, run_fingerprint(cfg, global_batch=8)) == []
+    cfg.scheduler.name = "cosine"
+    assert "train.max_steps" in run_fingerprint(cfg, global_batch=8)
+
+
+def test_stop_at_step_before_the_resume_point_is_refused(debug_overrides, saved_at_2_and_4):
+    with pytest.raises(ConfigError, match=r"stop_at_step = 3 but this run resumes at step 4"):
+        _trainer(debug_overrides, "--train.stop_at_step=3")
 
 
 def test_async_save_writes_what_the_step_held(debug_overrides, tmp_path):
@@ -78,8 +104,8 @@ def test_async_save_writes_what_the_step_held(debug_overrides, tmp_path):
     expected = {k: v.clone() for k, v in trainer.model_parts[0].state_dict().items()}
     trainer.save()
     trainer.train_step()  # changes the weights while the write may still run
-    trainer.saver.close()
-    reloaded = _trainer([*debug_overrides, "--train.max_steps=3"])
+    trainer.checkpoints.close()
+    reloaded = _trainer(debug_overrides)
     reloaded_state = reloaded.model_parts[0].state_dict()
     assert reloaded.step == 3
     assert all(torch.equal(reloaded_state[k], v) for k, v in expected.items())
@@ -119,13 +145,14 @@ def test_a_full_disk_is_one_clear_error_and_keeps_the_previous_checkpoint(
         "--scheduler.warmup_steps=1",
         "--data.num_workers=0",
         f"--checkpoint.async_mode='{mode}'",
+        "--train.max_steps=4",
     ]
-    first = _train_cli(*common, "--train.max_steps=2", cwd=tmp_path)
+    first = _train_cli(*common, "--train.stop_at_step=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     checkpoints = tmp_path / "run" / "checkpoints"
     before = {p.name: p.stat().st_size for p in (checkpoints / "step_00000002").iterdir()}
 
-    full = _train_cli(*common, "--train.max_steps=4", limit_bytes=1_000_000, cwd=tmp_path)
+    full = _train_cli(*common, limit_bytes=1_000_000, cwd=tmp_path)
     assert full.returncode == 2
     assert "could not write the checkpoint of step 4" in full.stderr
     assert "step_00000002 is intact" in full.stderr and "Traceback" not in full.stderr

@@ -1,0 +1,222 @@
+"""The run's checkpoint state, decided once: where to start (resume, warm start or scratch), the
+config fingerprint, saving (sync or async), when a background save is finished, rollback, and the
+last saved step.
+
+Whatever depends on the filesystem or on a background save is decided on rank 0 and agreed
+(`kiln.parallel.agree`); the last saved step lives in memory, the same on every rank. A rank that
+read `latest` from disk while rank 0 was still committing could otherwise decide to save when
+rank 0 does not, and the two would wait for each other in a collective until the timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.checkpoint.checkpointer import load_checkpoint, read_train_state
+from kiln.checkpoint.fingerprint import fingerprint_changes
+from kiln.checkpoint.layout import complete_steps, latest_complete, resolve_checkpoint
+from kiln.checkpoint.layout import resume_candidates as intact_candidates
+from kiln.checkpoint.saver import CheckpointSaver
+from kiln.checkpoint.state import Modules, Optimizers
+from kiln.config import JobConfig
+from kiln.errors import ConfigError, KilnError
+from kiln.parallel.agree import decide_on_main, is_main
+
+RESUME_FROM, CONTINUE, WARM_START, SCRATCH = "resume", "continue", "warm start", "scratch"
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """How this invocation starts: `kind` one of the four above, from `path` (None: scratch)."""
+
+    kind: str
+    path: Path | None = None
+    step: int = 0
+
+    @property
+    def loads_weights(self) -> bool:
+        """A checkpoint overwrites every weight: random init would be wasted work."""
+        return self.path is not None
+
+
+class CheckpointManager:
+    def __init__(self, cfg: JobConfig, *, device: torch.device):
+        self.cfg = cfg.checkpoint
+        # Stopping early (stop_at_step, a time limit) ends with a checkpoint too.
+        self.will_save = bool(
+            self.cfg.interval
+            or self.cfg.save_final
+            or cfg.train.stop_at_step
+            or cfg.train.time_limit_minutes
+        )
+        self.dir = Path(self.cfg.dir or Path(cfg.metrics.run_dir) / "checkpoints")
+        self.device = device
+        self.saver: CheckpointSaver | None = None
+        self.last_saved_step: int | None = None
+
+    def check_sources(self) -> None:
+        """Before anything is built: what to load exists, and no other run's checkpoints are in
+        the way."""
+        decide_on_main(self._check_sources, what="use the checkpoint settings")
+
+    def _check_sources(self) -> None:
+        if self.cfg.load_path:
+            resolve_checkpoint(self.cfg.load_path)
+        if self.cfg.resume == "never" and latest_complete(self.dir) is not None:
+            raise ConfigError(
+                f"checkpoint.resume = 'never' but {self.dir} already holds checkpoints of "
+                "another run; choose a new metrics.run_dir (or checkpoint.dir), or delete that folder"
+            )
+
+    def start_point(self, fingerprint: dict[str, Any]) -> StartPoint:
+        """Decided on rank 0: the newest intact checkpoint of this run (refused if it was written
+        with other settings, unless checkpoint.resume = 'force'), else checkpoint.load_path,
+        else scratch. The newest saved step starts as the step resumed from."""
+        start = decide_on_main(lambda: self._start_point(fingerprint), what="choose where to start")
+        self.last_saved_step = start.step if start.kind == RESUME_FROM else None
+        return start
+
+    def _start_point(self, fingerprint: dict[str, Any]) -> StartPoint:
+        if self.cfg.resume != "never":
+            newest, skipped = intact_candidates(self.dir)
+            for message in skipped:
+                _warn(message)
+            if newest is None and complete_steps(self.dir):
+                raise KilnError(
+                    f"{self.dir} holds checkpoints but none is intact; move them away to start "
+                    "over, or fix them"
+                )
+            if newest is not None:
+                state = read_train_state(newest)
+                self._check_fingerprint(newest, state.get("fingerprint"), fingerprint)
+                return StartPoint(RESUME_FROM, newest, state["step"])
+        if self.cfg.load_path:
+            path = resolve_checkpoint(self.cfg.load_path)
+            if self.cfg.model_only:
+                return StartPoint(WARM_START, path)
+            return StartPoint(CONTINUE, path, read_train_state(path)["step"])
+        return StartPoint(SCRATCH)
+
+    def _check_fingerprint(self, path: Path, saved: dict | None, current: dict) -> None:
+        changes = fingerprint_changes(saved, current) if saved is not None else []
+        if not changes:
+            return
+        listing = "; ".join(changes)
+        horizon = next((c for c in changes if c.startswith("train.max_steps:")), None)
+        why = (
+            f" train.max_steps is the horizon of the '{current.get('scheduler.name')}' "
+            "learning-rate schedule: a new value reshapes the steps already taken. To end an "
+            "invocation early without touching the schedule, use train.stop_at_step or "
+            "train.time_limit_minutes."
+            if horizon
+            else ""
+        )
+        if self.cfg.resume != "force":
+            raise ConfigError(
+                f"{path} was written by a run with different settings ({listing}).{why} "
+                "Resuming would mix two runs: use a new metrics.run_dir (or checkpoint.dir), or "
+                "pass --checkpoint.resume=force to continue with the new settings anyway"
+            )
+        _warn(f"checkpoint.resume = 'force': continuing {path} with changes: {listing}")
+
+    def restore(self, start: StartPoint, *, model: Modules, optimizer: Optimizers) -> dict | None:
+        """Load what `start` names into the model (and optimizer, RNG); return the saved train
+        state to continue from, or None for a warm start or scratch."""
+        if start.kind == SCRATCH:
+            return None
+        if start.kind == WARM_START:
+            load_checkpoint(start.path, model=model)
+            _say(f"initial weights from {start.path}")
+            return None
+        state = load_checkpoint(start.path, model=model, optimizer=optimizer, restore_rng=True)
+        where = "resumed from" if start.kind == RESUME_FROM else "continuing"
+        _say(f"{where} {start.path} (step {state['step']}) in {self.dir}")
+        return state
+
+    def probe_writable(self) -> None:
+        """Fail at start-up, not at the first save hours later, if checkpoints cannot be written."""
+        if self.will_save:
+            decide_on_main(lambda: _check_writable(self.dir), what="write checkpoints")
+
+    def open_for_writing(self) -> None:
+        self.probe_writable()
+        self.saver = CheckpointSaver(
+            self.dir,
+            keep_last_n=self.cfg.keep_last_n,
+            async_mode=self.cfg.async_mode,
+            device=self.device,
+        )
+
+    def save(self, step: int, **state: Any) -> None:
+        """Checkpoint `step` (in the background with checkpoint.async_mode = "async")."""
+        self.saver.save(step, **state)
+        self.last_saved_step = step
+
+    def is_saved(self, step: int) -> bool:
+        return self.last_saved_step == step
+
+    def written_locally(self) -> bool:
+        """This rank's part of the background save is written (agree over ranks before
+        `finish_save`)."""
+        return self.saver.written_locally()
+
+    def finish_save(self) -> None:
+        """Collective: commit the save in flight (call on every rank at the same step)."""
+        self.saver.wait()
+
+    @property
+    def save_seconds(self) -> float:
+        """How long the last save took, from its start until written."""
+        return self.saver.last_seconds
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+
+    def rollback(self, *, model: Modules, optimizer: Optimizers) -> dict:
+        """Back to the newest committed checkpoint (agreed on rank 0); its train state."""
+        self.saver.wait()
+        newest = decide_on_main(lambda: latest_complete(self.dir), what="find a checkpoint")
+        if newest is None:
+            raise KilnError(
+                "resilience.nan_action = 'rollback' but there is no checkpoint to return to; "
+                "lower checkpoint.interval"
+            )
+        state = load_checkpoint(newest, model=model, optimizer=optimizer)
+        self.last_saved_step = state["step"]
+        return state | {"path": newest}
+
+    def newest(self) -> Path | None:
+        """The newest committed checkpoint, for messages."""
+        return latest_complete(self.dir)
+
+
+def _check_writable(directory: Path) -> None:
+    """Fail at start-up, not at the first save; leave no folder behind."""
+    created = [path for path in (directory, *directory.parents) if not path.exists()]
+    probe = directory / ".write_test"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+        for path in created:
+            path.rmdir()
+    except OSError as error:
+        raise KilnError(
+            f"checkpoint directory {directory} is not writable ({error.strerror or error}); "
+            "set checkpoint.dir to a writable folder"
+        ) from None
+
+
+def _warn(message: str) -> None:
+    print(f"kiln: {message}", file=sys.stderr, flush=True)
+
+
+def _say(message: str) -> None:
+    if is_main():
+        print(f"kiln: {message}", flush=True)

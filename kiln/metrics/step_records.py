@@ -1,0 +1,129 @@
+"""What a logged step says: loss, throughput and MFU over the window since the last log line,
+memory; and the one-line summary at the end of a run."""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics
+from kiln.metrics.mfu import mfu
+from kiln.metrics.plot import plot_loss_curve
+
+
+class StepWindow:
+    """Loss and throughput accumulated between two log lines, kept on the device until logged,
+    so logging syncs the host with the device once per line, not once per step."""
+
+    def __init__(self):
+        self.start, self.tokens, self.steps, self.loss_sum = time.perf_counter(), 0, 0, 0.0
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        self.loss_sum = self.loss_sum + loss.detach()
+        self.tokens += tokens
+        self.steps += 1
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent on something else (evaluation, a checkpoint) is not training time."""
+        self.start += seconds
+
+    def mean_loss(self) -> float:
+        return float(self.loss_sum) / self.steps
+
+    def tokens_per_sec(self) -> float:
+        return self.tokens / (time.perf_counter() - self.start)
+
+
+class StepLog:
+    """Which steps are logged (every `log_interval`, the first, the last, and eval steps), and
+    their records: loss, throughput and MFU over the window since the previous log line."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        log_interval: int,
+        eval_interval: int,
+        max_steps: int,
+        start_step: int,
+        jsonl: bool,
+        flops_per_token: float,
+        peak_flops: float | None,
+        num_devices: int,
+        device: torch.device,
+    ):
+        self.logger = MetricsLogger(
+            run_dir, max_steps=max_steps, start_step=start_step, jsonl=jsonl
+        )
+        self.log_interval, self.eval_interval, self.max_steps = (
+            log_interval,
+            eval_interval,
+            max_steps,
+        )
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.num_devices, self.device = num_devices, device
+        self.window = StepWindow()
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        self.window.add(loss, tokens)
+
+    def due(self, step: int) -> bool:
+        return step % self.log_interval == 0 or step in (1, self.max_steps) or self.eval_due(step)
+
+    def eval_due(self, step: int) -> bool:
+        return bool(self.eval_interval) and step % self.eval_interval == 0
+
+    def record(
+        self, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens_seen: int
+    ) -> dict[str, Any]:
+        """The record of `step`, starting a new window. The window's mean syncs with the device
+        before the clock is read, so the elapsed time is honest."""
+        window, self.window = self.window, StepWindow()
+        loss_avg = window.mean_loss()
+        tokens_per_sec = window.tokens_per_sec()
+        on_gpu = self.device.type == "cuda"
+        return {
+            "step": step,
+            "loss": loss.item(),
+            "loss_avg": loss_avg,
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tokens_seen": tokens_seen,
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": mfu(
+                flops_per_token=self.flops_per_token,
+                tokens_per_sec=tokens_per_sec,
+                peak=self.peak_flops,
+                num_devices=self.num_devices,
+            ),
+            "peak_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if on_gpu else None,
+            "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        }
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent on something else (evaluation, a checkpoint) is not training time."""
+        self.window.exclude(seconds)
+
+
+def run_summary(run_dir: Path, *, step: int, checkpoint: Path | None, plot: bool) -> str:
+    """One line: the last step, how far the mean loss fell, the newest checkpoint, the plot."""
+    history = read_metrics(Path(run_dir) / JSONL_NAME)
+    lines = [f"kiln: finished step {step}"]
+    if history:
+        first, last = history[0]["loss_avg"], history[-1]["loss_avg"]
+        lines.append(
+            f"mean loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} "
+            f"({100 * last / first:.0f}% of first)"
+        )
+    if checkpoint is not None:
+        lines.append(f"checkpoint {checkpoint}")
+    curve = None
+    if plot and history:
+        curve = plot_loss_curve(Path(run_dir) / JSONL_NAME, Path(run_dir) / "loss_curve.png")
+    if curve is not None:
+        lines.append(f"loss curve {curve}")
+    return " | ".join(lines)

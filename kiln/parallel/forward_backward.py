@@ -1,0 +1,102 @@
+"""One forward and backward pass over a batch, the same call whether the model runs whole on this
+rank or as pipeline stages under a schedule: the trainer never branches on pipeline parallel.
+
+The loss function returns token-loss sums (one per sequence when the loss is split by dataset);
+the backward runs on sum · scale, where scale is the step's normalization (1 / global valid
+tokens, times the FSDP average compensation). Under pipeline parallel the schedule calls the loss
+once per micro-batch on the last stage; the sums are kept to report the batch's loss, in batch
+order, and are zero on the other stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from kiln.config.sections import JobConfig
+from kiln.parallel.mesh import ParallelContext
+from kiln.parallel.pipeline import build_schedule
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KwargsFn = Callable[[torch.Tensor], dict[str, torch.Tensor]]
+
+
+class ForwardBackward:
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        cfg: JobConfig,
+        parallel: ParallelContext,
+        *,
+        loss_fn: LossFn,
+        model_kwargs: KwargsFn,
+        autocast: contextlib.AbstractContextManager,
+        per_row: bool,
+    ):
+        self.model_parts, self.loss_fn, self.model_kwargs = model_parts, loss_fn, model_kwargs
+        self.autocast, self.per_row, self.device = autocast, per_row, parallel.device
+        # Under tensor parallel the logits stay vocabulary-sharded into the loss.
+        self.loss_context = loss_parallel if parallel.degrees["tp"] > 1 else contextlib.nullcontext
+        self.schedule = None
+        if parallel.degrees["pp"] > 1:
+            self.schedule = build_schedule(model_parts, cfg, parallel, loss_fn=self._stage_loss)
+            self.first_stage = any(part.embeds_input for part in model_parts)
+        self._sums: dict[int, torch.Tensor] = {}
+        self._scale = torch.ones(())
+
+    def __call__(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Token-loss sum of the batch (per sequence when split by dataset), after the backward
+        of sum · scale; `scale` None: forward only (eval)."""
+        if self.schedule is not None:
+            return self._pipelined(inputs, labels, scale=scale)
+        with self.loss_context():
+            with self.autocast:
+                logits = self.model_parts[0](inputs, **self.model_kwargs(inputs))
+            losses = self.loss_fn(logits, labels)
+            if scale is not None:
+                (losses.sum() * scale).backward()
+        return _full(losses.detach())
+
+    def _pipelined(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One batch through the schedule, which splits it into micro-batches."""
+        self._sums.clear()
+        self._scale = scale if scale is not None else torch.ones((), device=self.device)
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if scale is not None else self.schedule.eval
+        with self.loss_context(), self.autocast:
+            # Keyword arguments reach every stage (split into micro-batches like the inputs), so
+            # each stage builds the document mask from the tokens every rank has read.
+            run(
+                *((inputs,) if self.first_stage else ()),
+                target=labels,
+                losses=losses,
+                return_outputs=False,
+                **self.model_kwargs(inputs),
+            )
+        if not losses:
+            return torch.zeros(labels.shape[:1] if self.per_row else (), device=self.device)
+        # `losses` holds exactly this pass's micro-batch losses (the first pass also runs the loss
+        # once more to infer shapes); each maps back to its unnormalized sum, in batch order.
+        sums = [self._sums[id(loss)] for loss in losses]
+        return _full(torch.cat(sums) if self.per_row else torch.stack(sums).sum())
+
+    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss for one micro-batch, normalized like the unpipelined step's."""
+        losses = self.loss_fn(logits, labels)
+        loss = losses.sum() * self._scale
+        self._sums[id(loss)] = losses.detach()
+        return loss
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A loss computed from vocabulary-sharded logits is a DTensor; the plain number is wanted."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -1,0 +1,188 @@
+"""One optimizer step over a global batch, the same in every layout: count the step's valid
+tokens over all data ranks before any backward, forward/backward each micro-batch on the loss
+normalized by that count, sum tied-weight gradients, clip, agree across ranks (non-finite values,
+stop requests, background saves), then update with the scheduled learning rate or skip."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from kiln.config import JobConfig
+from kiln.data.dataset import TokenDataset
+from kiln.data.loader import Source, StepBatch
+from kiln.data.mixture import lr_scale_at
+from kiln.metrics.param_norms import param_grad_norms
+from kiln.model.document_mask import document_ids
+from kiln.parallel.agree import any_rank
+from kiln.parallel.collectives import sum_over
+from kiln.parallel.forward_backward import ForwardBackward
+from kiln.parallel.fsdp import gradient_average_compensation
+from kiln.parallel.mesh import ParallelContext
+from kiln.parallel.mixed_precision import training_autocast
+from kiln.parallel.pipeline import TiedEmbedding
+from kiln.resilience.nan_injection import NanInjection
+from kiln.train.dataset_losses import DatasetLosses
+from kiln.train.evaluate import eval_loader, evaluate
+from kiln.train.grad_norm import clip_grad_norm
+from kiln.train.loss import count_valid, token_loss_sum
+from kiln.train.schedule import lr_factor
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    tokens: int
+    finite: bool  # False: the update was skipped
+    stop: bool  # some rank was signalled (SIGTERM/SIGUSR1/SIGINT)
+    time_up: bool  # rank 0 found train.time_limit_minutes close
+    save_written: bool  # every rank has written its part of the save in flight
+    param_grad_norms: dict[str, float] | None = None  # metrics.param_grad_norms
+
+
+class TrainStep:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        parallel: ParallelContext,
+        *,
+        model_parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        sources: list[Source],
+    ):
+        self.cfg, self.parallel, self.device = cfg, parallel, parallel.device
+        self.model_parts, self.optimizers = model_parts, optimizers
+        pipelined = parallel.degrees["pp"] > 1
+        self.pipeline_group = parallel.mesh["pp"].get_group() if pipelined else None
+        tied = pipelined and cfg.model.tie_embeddings
+        self.tied = TiedEmbedding(model_parts, cfg, parallel) if tied else None
+        self.duplicates = self.tied.duplicates if self.tied is not None else ()
+        # A mixture logs each dataset's loss: the loss is then kept per sequence.
+        names = [source.name for source in sources]
+        self.dataset_losses = DatasetLosses(names, self.device) if len(names) > 1 else None
+        # A mixture's datasets share one tokenizer (checked at start-up), so one EOS id.
+        self.eos_id = sources[0].eos_id
+        self.nan_injection = NanInjection(
+            cfg.resilience.debug_nan_steps, rank=parallel.rank, world_size=parallel.world_size
+        )
+        self.forward_backward = ForwardBackward(
+            model_parts,
+            cfg,
+            parallel,
+            loss_fn=self._loss,
+            model_kwargs=self._model_kwargs,
+            autocast=training_autocast(cfg, parallel),
+            per_row=self.dataset_losses is not None,
+        )
+        # FSDP averages gradients; the loss is already normalized, so the average is undone.
+        self.grad_scale = gradient_average_compensation(parallel.fsdp_mesh())
+        # per_step: micro-batch gradients accumulate unsharded and are reduced once.
+        self.defer_grad_reduce = (
+            parallel.fsdp_mesh() is not None
+            and cfg.distributed.grad_reduce == "per_step"
+            and not pipelined
+        )
+
+    def __call__(self, batch: StepBatch, *, step: int, flags: dict[str, bool]) -> StepResult:
+        """Step number `step` (1-based) over `batch`; `flags` (stop, time_up, save_pending) are
+        this rank's, agreed with the others' in the step's one small all-reduce."""
+        self.nan_injection.start_step(step)
+        micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in batch.micro_batches]
+        # clamp: a step whose tokens are all masked contributes zero, not NaN.
+        valid = sum(count_valid(labels) for _, labels in micro_batches)
+        valid = sum_over(valid, self.parallel.data_group()).clamp(min=1)
+        total = torch.zeros((), device=self.device)
+        for index, (inputs, labels) in enumerate(micro_batches):
+            if self.defer_grad_reduce:
+                self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
+            losses = self.forward_backward(inputs, labels, scale=self.grad_scale / valid)
+            total += losses.sum()
+            if self.dataset_losses is not None:
+                self.dataset_losses.add(losses, labels, batch.dataset_ids[index])
+        if self.tied is not None:
+            self.tied.sync_grads()
+        per_param = None
+        if self.cfg.metrics.param_grad_norms:
+            per_param = param_grad_norms(
+                self.model_parts, pipeline_group=self.pipeline_group, duplicates=self.duplicates
+            )
+        grad_norm = clip_grad_norm(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.cfg.train.grad_clip_norm,
+            pipeline_group=self.pipeline_group,
+            duplicates=self.duplicates,
+        )
+        # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
+        loss = sum_over(sum_over(total, self.pipeline_group), self.parallel.data_group()) / valid
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        agreed = any_rank({"non_finite": ~finite, **flags}, device=self.device)
+        lr = self._update(step, skip=agreed["non_finite"])
+        tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
+        return StepResult(
+            loss,
+            grad_norm,
+            lr,
+            tokens,
+            finite=not agreed["non_finite"],
+            stop=agreed["stop"],
+            time_up=agreed["time_up"],
+            save_written=not agreed["save_pending"],
+            param_grad_norms=per_param,
+        )
+
+    def _update(self, step: int, *, skip: bool) -> float:
+        lr = (
+            self.cfg.optimizer.lr
+            * lr_factor(self.cfg.scheduler, step, self.cfg.train.max_steps)
+            * lr_scale_at(self.cfg.data, step - 1)
+        )
+        for optimizer in self.optimizers:
+            if not skip:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def evaluate(self, eval_data: TokenDataset) -> dict[str, float]:
+        loader = eval_loader(
+            eval_data,
+            document_mask=self.cfg.data.document_mask,
+            batch_size=self.cfg.train.batch_size,
+            grad_accum_steps=self.cfg.train.grad_accum_steps,
+            data_ranks=self.parallel.data_ranks,
+            data_rank=self.parallel.data_rank,
+        )
+        return evaluate(
+            loader,
+            steps=self.cfg.eval.steps,
+            forward=lambda inputs, labels: self.forward_backward(inputs, labels, scale=None),
+            device=self.device,
+            data_group=self.parallel.data_group(),
+            pipeline_group=self.pipeline_group,
+        )
+
+    def dataset_records(self) -> dict[str, float]:
+        """Each dataset's mean loss since the last call (a mixture only)."""
+        if self.dataset_losses is None:
+            return {}
+        return self.dataset_losses.reduce(
+            data_group=self.parallel.data_group(), pipeline_group=self.pipeline_group
+        )
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses = token_loss_sum(
+            logits,
+            labels,
+            z_loss_weight=self.cfg.train.z_loss_weight,
+            per_row=self.dataset_losses is not None,
+        )
+        return self.nan_injection.apply(losses)
+
+    def _model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.cfg.data.document_mask:
+            return {}
+        return {"document_ids": document_ids(inputs, self.eos_id)}
