@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import sys
 import tomllib
 import types
 import typing
@@ -13,8 +15,11 @@ from typing import Any
 from kiln.config.sections import JobConfig
 from kiln.errors import ConfigError
 
-CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
-MODEL_PRESET_DIR = CONFIG_ROOT / "model"
+# Presets and recipes ship inside the package (`kiln/configs`); in a source checkout that folder
+# is a link to `configs/` at the repository root, so both read the same files.
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MODEL_PRESET_DIR = SHIPPED_CONFIGS / "model"
+RECIPE_DIR = SHIPPED_CONFIGS / "train"
 
 
 def load_config(
@@ -25,7 +30,7 @@ def load_config(
     With `world_size`, also validate against it. Raises ConfigError naming every problem
     (unknown keys, wrong types, invalid values, layout) at once.
     """
-    raw = read_toml(path) if path is not None else {}
+    raw = read_toml(find_recipe(path)) if path is not None else {}
     return config_from_dict(raw, overrides, source=path, world_size=world_size)
 
 
@@ -48,6 +53,39 @@ def config_from_dict(
     if problems:
         raise ConfigError.listing(problems, source)
     return cfg
+
+
+def find_recipe(path: str | Path) -> Path:
+    """The recipe `path` names: that file if it exists, else the copy shipped with kiln of
+    `configs/...` or of a bare recipe name (`7b`, `7b.toml`), so an installed kiln runs the
+    documented commands from any directory. Says so on rank 0 when it uses the copy."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    shipped = _shipped_copy(given)
+    if shipped is None or not shipped.is_file():
+        known = ", ".join(sorted(p.stem for p in RECIPE_DIR.glob("*.toml")))
+        raise ConfigError(
+            f"config file not found: {given} (pass the path to a TOML recipe, or the name of one "
+            f"shipped with kiln: {known})"
+        )
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"kiln: {given} is not here; using the one shipped with kiln: {shipped}",
+            file=sys.stderr,
+        )
+    return shipped
+
+
+def _shipped_copy(given: Path) -> Path | None:
+    if given.is_absolute():
+        return None
+    if len(given.parts) == 1:
+        name = given.name
+        return RECIPE_DIR / (name if name.endswith(".toml") else f"{name}.toml")
+    if given.parts[0] == "configs":
+        return SHIPPED_CONFIGS.joinpath(*given.parts[1:])
+    return None
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

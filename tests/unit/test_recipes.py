@@ -1,8 +1,13 @@
-"""The seeds' recipes exist with their meshes and pass validation at their GPU counts."""
+"""The seeds' recipes exist with their meshes and pass validation at their GPU counts, and ship
+with the package."""
+
+from pathlib import Path
 
 import pytest
 
 from kiln.config import load_config, resolve_layout
+from kiln.config.load import RECIPE_DIR, SHIPPED_CONFIGS, find_recipe
+from kiln.errors import ConfigError
 from tests.conftest import REPO
 
 RECIPES = {
@@ -23,3 +28,35 @@ def test_recipe_checks_at_its_gpu_count(name):
     cfg = load_config(REPO / "configs" / "train" / f"{name}.toml", world_size=gpus)
     layout = resolve_layout(cfg.distributed, gpus)
     assert {k: layout[k] for k in mesh} == mesh
+
+
+def test_shipped_recipes_are_the_repository_configs():
+    # The package's copy is the checkout's configs/ itself, not a second set of files to keep in sync.
+    assert SHIPPED_CONFIGS.resolve() == (REPO / "configs").resolve()
+    assert (SHIPPED_CONFIGS / "model" / "llama3_8b.toml").is_file()
+
+
+@pytest.mark.parametrize("given", ["configs/train/7b.toml", "7b", "7b.toml"])
+def test_missing_recipe_path_falls_back_to_the_shipped_copy(given, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert find_recipe(given) == RECIPE_DIR / "7b.toml"
+    assert "shipped with kiln" in capsys.readouterr().err
+    assert load_config(given, world_size=4).model.preset == "llama3_7b"
+
+
+def test_a_local_file_wins_over_the_shipped_recipe(tmp_path, monkeypatch, capsys):
+    local = tmp_path / "configs" / "train" / "7b.toml"
+    local.parent.mkdir(parents=True)
+    local.write_text("[train]\nmax_steps = 3\n")
+    monkeypatch.chdir(tmp_path)
+    assert find_recipe("configs/train/7b.toml") == Path("configs/train/7b.toml")
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("given", ["configs/train/nope.toml", "nope", "elsewhere/7b.toml"])
+def test_unknown_recipe_lists_the_shipped_ones(given, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"config file not found: .*shipped with kiln: .*7b_12gpu_tp4"
+    ):
+        find_recipe(given)
