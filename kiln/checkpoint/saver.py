@@ -46,7 +46,7 @@ from kiln.errors import KilnError, first_line
 from kiln.parallel.agree import raise_any_failure
 from kiln.parallel.mutations import mutation_on
 
-# Test-only: rank 0 commits late, so the other ranks finish a background save first (the race
+# Test-only: rank 0 commits late and the other ranks' background writes finish first (the race
 # that once made ranks disagree on the last saved step).
 DELAY_COMMIT_FOR_TESTS = "KILN_TEST_DELAY_COMMIT"
 
@@ -123,6 +123,8 @@ class CheckpointSaver:
                 )
             in_flight = self.in_flight = _InFlight(step, future, started)
             future.add_done_callback(lambda _: setattr(in_flight, "finished", time.monotonic()))
+            if rank() != 0 and mutation_on(DELAY_COMMIT_FOR_TESTS):
+                time.sleep(1)  # this rank's part is written before it looks again
             return layout.step_dir(self.root, step)
         try:
             with single_process_quiet():

@@ -4,13 +4,17 @@ Megatron's exit-duration-in-mins; the run continues when the same command is run
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 
 class TimeLimit:
-    def __init__(self, minutes: float, *, started: float, enabled: bool = True):
-        """`started`: time.monotonic() at the start of the invocation; `enabled`: whether this
-        rank decides (rank 0; the decision is agreed across ranks by the caller)."""
+    def __init__(self, minutes: float, *, enabled: bool = True, started: float | None = None):
+        """The limit counts from `started` (time.monotonic()), by default from when this process
+        started, as a scheduler counts; `enabled`: whether this rank decides (rank 0; the caller
+        agrees the decision across ranks)."""
+        started = process_started() if started is None else started
         self.deadline = started + 60 * minutes if minutes > 0 and enabled else None
 
     def expiring(self, *, step_seconds: float, save_seconds: float) -> bool:
@@ -20,3 +24,15 @@ class TimeLimit:
             return False
         remaining = self.deadline - time.monotonic()
         return remaining < 2 * step_seconds + save_seconds
+
+
+def process_started() -> float:
+    """time.monotonic() of when this process started: its age from /proc on Linux (imports and
+    start-up count against the limit), else now."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    return time.monotonic() - max(age, 0.0)

@@ -36,7 +36,7 @@ from kiln.train.step import StepResult, TrainStep
 class Trainer:
     def __init__(self, cfg: JobConfig, *, world_size: int | None = None):
         validate(cfg, world_size or int(os.environ.get("WORLD_SIZE", "1")))
-        self.cfg, self.run_dir, self.started = cfg, Path(cfg.metrics.run_dir), time.monotonic()
+        self.cfg, self.run_dir = cfg, Path(cfg.metrics.run_dir)
         device = pick_device(cfg.train.device)
         self.parallel = init_parallel(
             cfg.distributed, device, timeout_s=cfg.resilience.collective_timeout_s
@@ -88,9 +88,7 @@ class Trainer:
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
             write_config(cfg, self.run_dir / "config.toml")
-        self.time_limit = TimeLimit(
-            cfg.train.time_limit_minutes, started=self.started, enabled=self.parallel.is_main
-        )
+        self.time_limit = TimeLimit(cfg.train.time_limit_minutes, enabled=self.parallel.is_main)
         self.iteration_seconds: deque[float] = deque(maxlen=20)
 
     def train(self) -> list[dict]:

@@ -1,0 +1,131 @@
+"""Where a run stops and how it goes on (DESIGN §3, §7): train.stop_at_step, train.time_limit_minutes,
+Ctrl-C, and the end of a run whose last checkpoint is still being written in the background.
+Real `kiln train` processes; resumed losses are compared bit for bit with a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.distributed.launch import (
+    env,
+    kiln_args,
+    log,
+    losses,
+    start_ranks,
+    wait_all,
+    wait_for_step,
+)
+
+STEPS = 12
+# A cosine schedule over 12 steps: a resumed run that reshaped it would differ from step 7 on.
+COSINE = [f"--train.max_steps={STEPS}", "--scheduler.name=cosine", "--scheduler.warmup_steps=2"]
+
+
+def _train(run_dir: Path, demo_data: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", "train", *kiln_args(run_dir, demo_data, *overrides)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env(),
+    )
+
+
+def _latest(run_dir: Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def test_stop_at_step_ends_with_a_checkpoint_and_the_same_command_continues_bitwise(
+    tmp_path, demo_data
+):
+    common = [*COSINE, "--train.batch_size=2", "--data.num_workers=0"]
+    reference = _train(tmp_path / "reference", demo_data, *common)
+    assert reference.returncode == 0, reference.stderr
+
+    run = tmp_path / "run"
+    first = _train(run, demo_data, *common, "--train.stop_at_step=6")
+    assert first.returncode == 0, first.stderr
+    assert "stopped after step 6 of 12 (train.stop_at_step)" in first.stderr
+    assert _latest(run) == "step_00000006"
+    rest = _train(run, demo_data, *common)
+    assert rest.returncode == 0, rest.stderr
+    assert "resumed from" in rest.stdout and "(step 6)" in rest.stdout
+    assert losses(run) == losses(tmp_path / "reference")  # every step, bit for bit
+
+    again = _train(run, demo_data, *common, "--train.stop_at_step=3")
+    assert again.returncode == 2
+    assert "train.stop_at_step = 3 but this run resumes at step 10" in again.stderr
+
+
+def test_a_time_limit_stops_with_a_checkpoint_and_the_run_continues_bitwise(tmp_path, demo_data):
+    """A limit already spent at the first check (0.001 min, less than start-up takes) makes the
+    stop step deterministic: the first step runs, then the job saves and exits 0."""
+    common = [*COSINE, "--train.batch_size=2", "--data.num_workers=0"]
+    reference = _train(tmp_path / "reference", demo_data, *common)
+    assert reference.returncode == 0, reference.stderr
+    run = tmp_path / "run"
+    limited = _train(run, demo_data, *common, "--train.time_limit_minutes=0.001")
+    assert limited.returncode == 0, limited.stderr
+    assert "stopped after step 1 of 12 (train.time_limit_minutes)" in limited.stderr
+    assert _latest(run) == "step_00000001"
+    rest = _train(run, demo_data, *common)
+    assert rest.returncode == 0, rest.stderr
+    assert losses(run) == losses(tmp_path / "reference")
+
+
+def test_ctrl_c_saves_and_says_where_the_run_resumes(tmp_path, demo_data):
+    """Ctrl-C reaches the terminal's foreground process group: kiln and not its loader workers
+    (they leave the group), so the step in progress finishes and a checkpoint is written."""
+    run = tmp_path / "run"
+    logs = tmp_path / "log.txt"
+    args = kiln_args(run, demo_data, "--train.max_steps=400", "--train.batch_size=1")
+    with logs.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln", "train", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env(),
+            start_new_session=True,
+        )
+        wait_for_step(run, 3, [proc])
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, logs.read_text()
+    text = logs.read_text()
+    stopped = int(_latest(run).removeprefix("step_"))
+    assert 3 <= stopped < 400
+    assert f"stopped by SIGINT after step {stopped}" in text
+    assert f"resume from step {stopped}" in text and "Traceback" not in text
+
+
+def test_async_final_save_finishing_first_on_one_rank_does_not_hang(tmp_path, demo_data):
+    """Rank 1 finishes writing its part of the last checkpoint (step 4) while rank 0 is still
+    committing it: the test switch delays rank 0's commit by 3 s and holds rank 1 until its write
+    is done. Every rank must agree that the final step is saved. Before the run state was kept by
+    the CheckpointManager, rank 1 read the old `latest` from disk, saved again alone, and failed in
+    a collective once rank 0 had exited (exit 2, or a hang until the collective timeout)."""
+    run = tmp_path / "run"
+    overrides = [
+        "--train.max_steps=4",
+        "--scheduler.warmup_steps=1",
+        "--checkpoint.interval=2",
+        "--checkpoint.async_mode='async'",
+        "--checkpoint.save_final=true",
+        "--resilience.collective_timeout_s=60",
+        "--train.batch_size=2",
+    ]
+    os.environ["KILN_TEST_DELAY_COMMIT"] = "1"
+    try:
+        procs = start_ranks(2, kiln_args(run, demo_data, *overrides), tmp_path / "logs")
+    finally:
+        del os.environ["KILN_TEST_DELAY_COMMIT"]
+    assert wait_all(procs, 120) == [0, 0], log(tmp_path / "logs", 1)
+    assert "test switch KILN_TEST_DELAY_COMMIT is set" in log(tmp_path / "logs", 0)
+    assert _latest(run) == "step_00000004"
+    marker = json.loads((run / "checkpoints" / "step_00000004" / "COMPLETE").read_text())
+    assert marker["step"] == 4

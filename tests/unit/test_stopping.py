@@ -1,0 +1,46 @@
+"""Stopping on request, on their own: Ctrl-C twice, the time limit's arithmetic."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from kiln.resilience import PreemptionFlag
+from kiln.resilience.preemption import Preempted
+from kiln.resilience.time_limit import TimeLimit, process_started
+
+
+def test_first_ctrl_c_asks_for_a_checkpoint_the_second_aborts(capfd):
+    flag = PreemptionFlag()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs in the main thread at the next bytecode
+        assert flag.received == "SIGINT"
+        assert "Ctrl-C again aborts at once" in capfd.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupted_run_exits_130_and_says_where_it_resumes(tmp_path):
+    stop = Preempted(signal_name="SIGINT", step=7, checkpoint=tmp_path / "step_00000007")
+    assert stop.exit_code == 130 and "resume from step 7" in str(stop)
+    assert Preempted(signal_name="SIGTERM", step=7, checkpoint=None).exit_code == 75
+
+
+def test_the_time_limit_keeps_room_for_two_steps_and_a_checkpoint():
+    limit = TimeLimit(1, started=time.monotonic() - 50)  # about 10 s left
+    assert not limit.expiring(step_seconds=2, save_seconds=5)  # 9 s needed
+    assert limit.expiring(step_seconds=3, save_seconds=5)  # 11 s needed
+    assert not TimeLimit(1, started=time.monotonic() - 50, enabled=False).expiring(
+        step_seconds=30, save_seconds=30
+    )  # only rank 0 decides
+    assert not TimeLimit(0).expiring(step_seconds=1e9, save_seconds=1e9)  # no limit
+
+
+def test_the_limit_counts_from_the_start_of_the_process():
+    assert 0 < time.monotonic() - process_started() < 3600
