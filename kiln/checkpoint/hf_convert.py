@@ -62,6 +62,14 @@ _REQUIRED_HF_KEYS = (
 # HF Llama's default when a config names no rope_theta.
 _HF_DEFAULT_ROPE_THETA = 10000.0
 
+# Llama 3.1's RoPE scaling (rope_type "llama3"): kiln ModelConfig field -> Hugging Face key.
+_LLAMA3_ROPE_KEYS = {
+    "rope_scaling_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_seq_len": "original_max_position_embeddings",
+}
+
 
 def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Convert a Hugging Face Llama folder (config.json + safetensors) into a kiln checkpoint
@@ -226,6 +234,12 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Map a Hugging Face Llama config.json onto kiln's ModelConfig, refusing anything kiln's
     model would compute differently."""
     _check_supported(hf)
+    rope = _rope_params(hf)
+    scaling = {}
+    if _rope_type(rope) == "llama3":
+        scaling = {field: float(rope[key]) for field, key in _LLAMA3_ROPE_KEYS.items()}
+        scaling["rope_original_max_seq_len"] = int(rope["original_max_position_embeddings"])
+        scaling["rope_scaling"] = "llama3"
     return ModelConfig(
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
@@ -234,10 +248,11 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         vocab_size=hf["vocab_size"],
         ffn_hidden_dim=hf["intermediate_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(_rope_params(hf).get("rope_theta", _HF_DEFAULT_ROPE_THETA)),
+        rope_theta=float(rope.get("rope_theta", _HF_DEFAULT_ROPE_THETA)),
         max_seq_len=hf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
+        **scaling,
     )
 
 
@@ -245,6 +260,10 @@ def hf_config_from_model(
     cfg: ModelConfig, dtype: str, special: dict[str, tuple[str, int]]
 ) -> dict[str, Any]:
     """A complete LlamaForCausalLM config.json for kiln's ModelConfig."""
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = {key: getattr(cfg, field) for field, key in _LLAMA3_ROPE_KEYS.items()}
+        scaling["rope_type"] = "llama3"
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -260,8 +279,12 @@ def hf_config_from_model(
         "rms_norm_eps": cfg.norm_eps,
         # Both spellings: transformers 4.x reads rope_theta/rope_scaling, 5.x rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": scaling,
+        "rope_parameters": {
+            "rope_type": "default",
+            **(scaling or {}),
+            "rope_theta": cfg.rope_theta,
+        },
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -289,9 +312,14 @@ def _check_supported(hf: dict[str, Any]) -> None:
         raise KilnError(f"config.json lacks {', '.join(missing)}; is it a complete Llama config?")
     problems = []
     rope = _rope_params(hf)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"RoPE scaling {rope_type!r} (kiln implements plain RoPE only)")
+    rope_type = _rope_type(rope)
+    if rope_type not in ("default", "llama3"):
+        problems.append(
+            f"RoPE scaling {rope_type!r} (kiln implements plain RoPE and Llama 3.1's 'llama3')"
+        )
+    absent = [key for key in _LLAMA3_ROPE_KEYS.values() if rope.get(key) is None]
+    if rope_type == "llama3" and absent:
+        problems.append(f"'llama3' RoPE scaling without {', '.join(absent)}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append("partial rotary embeddings (partial_rotary_factor != 1)")
     if hf.get("attention_bias"):
@@ -320,6 +348,11 @@ def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
     if "rope_theta" in hf:
         params = {"rope_theta": hf["rope_theta"], **params}
     return params
+
+
+def _rope_type(rope: dict[str, Any]) -> str:
+    # transformers 4.x configs of some Llama releases spell it `type`.
+    return rope.get("rope_type", rope.get("type", "default"))
 
 
 def _name_map(cfg: ModelConfig) -> dict[str, str]:

@@ -16,6 +16,13 @@ class ModelConfig:
     ffn_hidden_dim: int = 768
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    # "llama3": Llama 3.1's frequency scaling for contexts beyond rope_original_max_seq_len
+    # (the factors below are Llama 3.1's; they apply only with "llama3").
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False

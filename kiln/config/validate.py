@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kiln.config.sections import DistributedConfig, JobConfig
+from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.parallel.pipeline_split import (
     MULTI_STAGE_SCHEDULES,
@@ -88,6 +88,28 @@ def _model_problems(cfg: JobConfig) -> list[str]:
     for name in ("norm_eps", "rope_theta", "init_std"):
         if getattr(m, name) <= 0:
             p.append(f"model.{name} must be positive, got {getattr(m, name)}")
+    if m.rope_scaling not in ("none", "llama3"):
+        p.append(f"model.rope_scaling = {m.rope_scaling!r} is not one of 'none', 'llama3'")
+    elif m.rope_scaling == "llama3":
+        p += _llama3_rope_problems(m)
+    return p
+
+
+def _llama3_rope_problems(m: ModelConfig) -> list[str]:
+    p = []
+    if m.rope_scaling_factor < 1:
+        p.append(
+            f"model.rope_scaling_factor must be >= 1 (how much slow rotations are stretched), got {m.rope_scaling_factor}"
+        )
+    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        p.append(
+            f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) and rope_high_freq_factor "
+            f"({m.rope_high_freq_factor}) must satisfy 0 < low < high"
+        )
+    if m.rope_original_max_seq_len <= 0:
+        p.append(
+            f"model.rope_original_max_seq_len must be positive, got {m.rope_original_max_seq_len}"
+        )
     return p
 
 

@@ -15,7 +15,7 @@ from kiln.model.attention import Attention
 from kiln.model.document_mask import DocumentMask, build_document_mask
 from kiln.model.feed_forward import FeedForward
 from kiln.model.kv_cache import KVCache
-from kiln.model.rope import rope_tables
+from kiln.model.rope import model_rope_tables
 
 
 class Block(nn.Module):
@@ -53,7 +53,7 @@ class Transformer(nn.Module):
         # Tied embeddings reuse tok_embeddings.weight in forward instead of sharing a Parameter,
         # which `to_empty` and sharding would silently untie.
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=None)
+        cos, sin = model_rope_tables(cfg, device=None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embeds_input = True
@@ -93,9 +93,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute the rotary tables (non-persistent buffers hold garbage after `to_empty`)."""
-        cos, sin = rope_tables(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device
-        )
+        cos, sin = model_rope_tables(self.cfg, self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
 
     @torch.no_grad()

@@ -123,3 +123,30 @@ def test_choices_are_checked():
         validate(cfg)
     assert "train.activation_checkpointing = 'some'" in str(info.value)
     assert "scheduler.name = 'cosin'" in str(info.value)
+
+
+def test_llama3_rope_scaling_values_are_checked():
+    bad = {
+        "rope_scaling": "llama3",
+        "rope_scaling_factor": 0.5,
+        "rope_low_freq_factor": 4.0,
+        "rope_high_freq_factor": 1.0,
+        "rope_original_max_seq_len": 0,
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": bad}, world_size=1)
+    message = str(info.value)
+    assert "3 problems" in message
+    assert "model.rope_scaling_factor must be >= 1" in message
+    assert "must satisfy 0 < low < high" in message
+    assert "model.rope_original_max_seq_len must be positive" in message
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling = 'yarn' is not one of"):
+        config_from_dict({"model": {"rope_scaling": "yarn"}}, world_size=1)
+    # The factors are Llama 3.1's by default and ignored without rope_scaling = "llama3".
+    assert (
+        config_from_dict(
+            {"model": {"rope_scaling": "llama3"}}, world_size=1
+        ).model.rope_scaling_factor
+        == 8.0
+    )
+    config_from_dict({"model": {"rope_scaling_factor": 0.5}}, world_size=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from kiln.config import CheckpointConfig, JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.model import Transformer, build_model, materialize
 from kiln.model.generate import generate
+from kiln.model.rope import Llama3Scaling
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,11 +149,11 @@ def test_transformers_4_config_is_read(hf_dir, tmp_path):
 
 
 def _save_kiln(
-    tmp_path: Path, *, tied: bool = False, checkpoint: CheckpointConfig | None = None
+    tmp_path: Path, *, tied: bool = False, checkpoint: CheckpointConfig | None = None, **hf
 ) -> tuple[Transformer, Path]:
-    """The same tiny Llama as the HF-side tests, described in kiln's terms, saved as a kiln
-    checkpoint (with a tokenizer) under tmp_path/ckpt."""
-    cfg = model_config_from_hf(_llama_config(tie_word_embeddings=tied).to_dict())
+    """The same tiny Llama as the HF-side tests (with `hf` config changes), described in kiln's
+    terms, saved as a kiln checkpoint (with a tokenizer) under tmp_path/ckpt."""
+    cfg = model_config_from_hf(_llama_config(tie_word_embeddings=tied, **hf).to_dict())
     cfg.init_std = 0.1
     model = materialize(build_model(cfg), device="cpu", seed=3)
     _randomize_norms(model)
@@ -321,7 +323,11 @@ def _shard(hf_dir: Path) -> None:
     ("change", "message"),
     [
         ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only Llama"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "RoPE scaling 'yarn'"),
+        (
+            {"rope_scaling": {"type": "llama3", "factor": 8.0}},
+            "'llama3' RoPE scaling without low_freq_factor, high_freq_factor, original_max_pos",
+        ),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"head_dim": 32}, "head_dim 32"),
@@ -401,3 +407,74 @@ def test_generation_stops_at_eos_and_context(kiln_ckpt):
     assert len(generate(model, long_prompt, max_new_tokens=10)) == 3
     with pytest.raises(KilnError, match="more than the model's context"):
         generate(model, [7] * (model.cfg.max_seq_len + 1), max_new_tokens=1)
+
+
+# Llama 3.1-style RoPE scaling, shrunk: a 64-token original context that LONG tokens run past.
+# With head_dim 16 the frequencies make about 10, 2, 0.4, ... turns over those 64 positions, so
+# one is kept, one blended and the rest stretched: every branch of the rule is exercised.
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# Llama 3.2 (1B, 3B): tied embeddings and a stronger stretch.
+LLAMA32_ROPE = {**LLAMA31_ROPE, "factor": 32.0}
+LONG = 96
+LLAMA3_VARIANTS = pytest.mark.parametrize(
+    ("rope", "tied"), [(LLAMA31_ROPE, False), (LLAMA32_ROPE, True)], ids=["3.1", "3.2-tied"]
+)
+
+
+def test_llama3_frequencies_match_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = _llama_config(rope_parameters=LLAMA31_ROPE)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    got = Llama3Scaling(8.0, 1.0, 4.0, 64).apply(plain)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert got[0] == plain[0] and got[-1] == plain[-1] / 8  # kept / stretched ends
+
+
+@LLAMA3_VARIANTS
+def test_llama3_rope_scaling_hf_to_kiln_logits_match(tmp_path, rope, tied):
+    hf_model = _save_hf(tmp_path / "hf", rope_parameters=rope, tie_word_embeddings=tied)
+    ckpt = hf_to_kiln(tmp_path / "hf", tmp_path / "kiln")
+    cfg = read_model_config(ckpt)
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.tie_embeddings) == (
+        "llama3",
+        rope["factor"],
+        tied,
+    )
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor) == (1.0, 4.0)
+    assert cfg.rope_original_max_seq_len == 64
+    model, tokens = _load_kiln(ckpt), _tokens(seq=LONG)
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        assert _max_diff(model(tokens), expected) <= TOLERANCE
+        # The scaling matters here: the same weights with plain RoPE are far off.
+        plain = build_model(dataclasses.replace(cfg, rope_scaling="none"))
+        plain = materialize(plain, device="cpu", seed=None)
+        plain.load_state_dict(model.state_dict())
+        assert _max_diff(plain(tokens), expected) > 100 * TOLERANCE
+
+
+@LLAMA3_VARIANTS
+def test_llama3_rope_scaling_kiln_to_hf_round_trip(tmp_path, rope, tied):
+    model, ckpt = _save_kiln(tmp_path, tied=tied, rope_parameters=rope)
+    out = kiln_to_hf(ckpt, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"] == rope
+    assert config["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert hf_model.config.rope_parameters == rope
+    tokens = _tokens(seq=LONG)
+    with torch.no_grad():
+        assert _max_diff(hf_model.eval()(tokens).logits, model(tokens)) <= TOLERANCE
+    back = hf_to_kiln(out, tmp_path / "back")
+    assert read_model_config(back) == read_model_config(resolve_checkpoint(ckpt))
+    for name, tensor in _load_kiln(back).state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
