@@ -1,0 +1,57 @@
+"""What a new user hits first, as the user runs it: errors under torchrun, `kiln check` before a
+job is queued."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from kiln.cli import main
+from tests.conftest import DEBUG_CONFIG
+
+
+def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_a_config_error_under_torchrun_is_printed_once_and_every_rank_fails(tmp_path):
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    result = _run(
+        *launcher, "-m", "kiln", "train", str(DEBUG_CONFIG), "--train.batch_size=0", cwd=tmp_path
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("train.batch_size must be positive, got 0") == 1, output
+    assert "Traceback" not in output.split("train.batch_size must be positive")[0]
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def _check(capsys, *overrides: str) -> tuple[int, str, str]:
+    """`kiln check` in this process (the CLI's own entry point), its exit code and output."""
+    code = main(["check", str(DEBUG_CONFIG), *overrides])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_reports_what_train_would_refuse_at_start_up(tmp_path, demo_data, capsys):
+    nowhere = tmp_path / "nowhere"
+    code, out, err = _check(capsys, "--data.source=prepared", f"--data.path={nowhere}")
+    assert code == 2 and f"dataset directory not found: {nowhere}" in err
+    assert "config OK" not in out
+    run = [f"--data.path={demo_data}", f"--metrics.run_dir={tmp_path / 'run'}"]
+    code, _, err = _check(capsys, *run, "--model.vocab_size=1000")
+    assert code == 2 and "model.vocab_size (1000) is smaller than the vocabulary" in err
+    code, _, err = _check(capsys, *run, f"--checkpoint.load_path={tmp_path / 'none'}")
+    assert code == 2 and "checkpoint not found" in err
+    code, out, err = _check(capsys, *run)
+    assert code == 0, err
+    assert "# checkpoints: a new run in" in out and "# config OK" in out
+    assert not (tmp_path / "run").exists()  # checking writes nothing
