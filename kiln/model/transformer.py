@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from kiln.config.sections import ModelConfig
 from kiln.model.attention import Attention
 from kiln.model.document_mask import DocumentMask, build_document_mask
 from kiln.model.feed_forward import FeedForward
+from kiln.model.init import fill_normal_, init_std
 from kiln.model.kv_cache import KVCache
 from kiln.model.rope import model_rope_tables
 
@@ -98,25 +96,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Depth-scaled normal init. Each tensor is drawn from its own generator keyed by (seed, name),
-        so the full weights are the same whatever the device, sharding or layer placement."""
+        """Depth-scaled normal init, drawn in tiles keyed by (seed, name, tile) so each rank draws
+        only its shard and the full weights are the same in every layout (see `init.py`)."""
         for wrapped_name, param in self.named_parameters():
             name = canonical_name(wrapped_name)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                _fill_normal(param, std=self._init_std(name), seed=_stable_seed(seed, name))
-
-    def _init_std(self, name: str) -> float:
-        cfg = self.cfg
-        if name == "tok_embeddings.weight" and not cfg.tie_embeddings:
-            # Unit-scale embeddings put the residual stream at O(1) from the start; at init_std,
-            # every Adam step would move them by a large fraction of their size.
-            return 1.0
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            # Outputs written into the residual stream shrink with depth, so it does not grow.
-            return cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        return cfg.init_std
+                fill_normal_(param, std=init_std(self.cfg, name), seed=seed, name=name)
 
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -127,25 +114,6 @@ def canonical_name(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
-
-
-def _stable_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (
-        (1 << 63) - 1
-    )
-
-
-def _fill_normal(param: torch.Tensor, *, std: float, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-    if isinstance(param, DTensor):
-        # Every rank drew the same full tensor, so each slices its own part: no communication.
-        local = distribute_tensor(
-            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(full)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta") -> Transformer:

@@ -21,8 +21,18 @@ WORKER = Path(__file__).with_name("init_weights_worker.py")
         (2, ["--distributed.dp_shard=2"]),
         (4, ["--distributed.tp=2", "--model.tie_embeddings=false"]),
         (4, ["--distributed.dp_replicate=2"]),
+        # Shards that do not divide evenly: vocab rows 4094 / tp 2 = 2047, then 1024 + 1023 under
+        # FSDP; hidden units 390 / 2 = 195, then 98 + 97. The cuts fall inside the init's tiles.
+        (4, ["--distributed.tp=2", "--model.vocab_size=4094", "--model.ffn_hidden_dim=390"]),
+        (2, ["--distributed.pp=2"]),
     ],
-    ids=["dp_shard=2", "tp=2 x dp_shard=2", "dp_replicate=2 x dp_shard=2"],
+    ids=[
+        "dp_shard=2",
+        "tp=2 x dp_shard=2",
+        "dp_replicate=2 x dp_shard=2",
+        "tp=2 x dp_shard=2 uneven",
+        "pp=2",
+    ],
 )
 def test_initial_weights_do_not_depend_on_the_layout(nproc, layout, tmp_path):
     out = tmp_path / "weights.pt"
@@ -42,7 +52,7 @@ def test_initial_weights_do_not_depend_on_the_layout(nproc, layout, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     gathered = torch.load(out)
-    cfg = load_config(DEBUG_CONFIG)
+    cfg = load_config(DEBUG_CONFIG, [arg for arg in layout if arg.startswith("--model.")])
     single = materialize(build_model(cfg.model), device="cpu", seed=cfg.train.seed).state_dict()
     assert gathered.keys() == single.keys()
     for name, tensor in single.items():
