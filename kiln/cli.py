@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError, RelayedError
 
 OVERRIDE_HELP = "config overrides as --section.key=value (value parsed as a TOML literal), e.g. --train.max_steps=200"
 
@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except KilnError as e:
-        print(f"kiln {args.command}: error: {e}", file=sys.stderr)
+        if _reports(e):
+            print(f"kiln {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except OSError as e:  # a path that cannot be read or written: name it, no traceback
         where = f": {e.filename}" if e.filename else ""
@@ -29,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kiln {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _reports(error: KilnError) -> bool:
+    """Under torchrun every rank fails on a bad config or on rank 0's error: rank 0 alone says
+    so, once. An error of this rank's own (a failed collective) is reported by the rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    return rank == 0 or not isinstance(error, ConfigError | RelayedError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="number of processes to validate the layout against",
+    )
+    check.add_argument(
+        "--config-only",
+        action="store_true",
+        help="validate the recipe and the layout only; skip the start-up checks of data and "
+        "checkpoints (to size a layout before its data exists)",
     )
     check.set_defaults(run=cmd_check, accepts_overrides=True)
 
@@ -120,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("config", help="path to a TOML recipe")
     verify.add_argument(
-        "--world-size", type=int, help="processes for the layout (default: the layout's product)"
+        "--world-size",
+        type=int,
+        help="processes for the layout (default: the layout's product, with dp_shard = -1 as 2)",
     )
     verify.add_argument("--steps", type=int, default=5)
     verify.add_argument(
@@ -216,6 +232,7 @@ def cmd_check(args) -> int:
     from kiln.metrics.memory import estimate_memory
     from kiln.model import count_params, flops_per_token
     from kiln.parallel.pipeline_split import pipeline_summary
+    from kiln.train.preflight import preflight
 
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     layout = resolve_layout(cfg.distributed, args.world_size)
@@ -240,34 +257,20 @@ def cmd_check(args) -> int:
     )
     if layout["pp"] > 1:
         print(f"# pipeline: {pipeline_summary(cfg)}")
-    unsupported = [d for d in ("cp", "ep") if layout[d] > 1]
-    if unsupported:
-        print(
-            f"# note: {', '.join(unsupported)} > 1 is validated here, but this version of `kiln train` does not train it yet"
-        )
+    if not args.config_only:
+        for note in preflight(cfg, args.world_size):
+            print(f"# {note}")
     print("# config OK")
     return 0
 
 
 def cmd_verify(args) -> int:
-    import math
+    from kiln.config import load_config, validate
+    from kiln.parallel.verify import default_world_size, verify
 
-    from kiln.config import load_config, read_toml
-    from kiln.config.validate import LAYOUT_DIMS
-    from kiln.parallel.verify import verify
-
-    world_size = args.world_size
-    if world_size is None:
-        degrees = {d: read_toml(args.config).get("distributed", {}).get(d, 1) for d in LAYOUT_DIMS}
-        for item in args.overrides:
-            section, _, rest = item.lstrip("-").partition(".")
-            key, _, value = rest.partition("=")
-            if section == "distributed" and key in degrees:
-                degrees[key] = int(value)
-        if degrees["dp_shard"] == -1:
-            raise KilnError("dp_shard = -1 fills the world size: pass --world-size N")
-        world_size = math.prod(degrees.values())
-    cfg = load_config(args.config, args.overrides, world_size=world_size)
+    cfg = load_config(args.config, args.overrides)
+    world_size = args.world_size or default_world_size(cfg.distributed)
+    validate(cfg, world_size)
     return 0 if verify(cfg, world_size, steps=args.steps, data_path=args.data) else 1
 
 
@@ -330,7 +333,7 @@ def cmd_generate(args) -> int:
     from kiln.data.tokenizer import find_eos_id, load_tokenizer
     from kiln.model import build_model, materialize
     from kiln.model.generate import generate
-    from kiln.train.trainer import pick_device
+    from kiln.parallel.device import pick_device
 
     path = resolve_checkpoint(args.checkpoint)
     tokenizer_path = find_tokenizer(path)

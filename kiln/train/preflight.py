@@ -25,6 +25,7 @@ def preflight(cfg: JobConfig, world_size: int) -> list[str]:
         except KilnError as error:
             problems.append(str(error))
     if problems:
+        problems.append("(kiln check --config-only checks the recipe and layout alone)")
         raise ConfigError.listing(problems, "at start-up")
     return notes
 

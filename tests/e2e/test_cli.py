@@ -222,6 +222,6 @@ def test_killed_run_resumes_bitwise(demo_data, tmp_path):
 
 def test_pipelined_recipe_check_shows_the_stages(tmp_path):
     recipe = DEBUG_CONFIG.parent / "70b_32gpu_tp4_pp4.toml"
-    result = kiln("check", recipe, "--world-size=32", cwd=tmp_path)
+    result = kiln("check", recipe, "--world-size=32", "--config-only", cwd=tmp_path)
     assert "tp=4 × pp=4" in result.stdout
     assert "layers per stage [20, 20, 20, 20], 8 micro-batches" in result.stdout
