@@ -11,19 +11,19 @@ rank 0 does not, and the two would wait for each other in a collective until the
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln.checkpoint.checkpointer import load_checkpoint, read_train_state
+from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, read_train_state
 from kiln.checkpoint.fingerprint import fingerprint_changes
 from kiln.checkpoint.layout import complete_steps, latest_complete, resolve_checkpoint
 from kiln.checkpoint.layout import resume_candidates as intact_candidates
 from kiln.checkpoint.saver import CheckpointSaver
 from kiln.checkpoint.state import Modules, Optimizers
-from kiln.config import JobConfig
+from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.parallel.agree import decide_on_main, is_main
 
@@ -46,7 +46,7 @@ class StartPoint:
 
 class CheckpointManager:
     def __init__(self, cfg: JobConfig, *, device: torch.device):
-        self.cfg = cfg.checkpoint
+        self.cfg, self.model = cfg.checkpoint, cfg.model
         # Stopping early (stop_at_step, a time limit) ends with a checkpoint too.
         self.will_save = bool(
             self.cfg.interval
@@ -97,6 +97,7 @@ class CheckpointManager:
                 return StartPoint(RESUME_FROM, newest, state["step"])
         if self.cfg.load_path:
             path = resolve_checkpoint(self.cfg.load_path)
+            _check_same_model(path, self.model)
             if self.cfg.model_only:
                 return StartPoint(WARM_START, path)
             return StartPoint(CONTINUE, path, read_train_state(path)["step"])
@@ -194,6 +195,27 @@ class CheckpointManager:
     def newest(self) -> Path | None:
         """The newest committed checkpoint, for messages."""
         return latest_complete(self.dir)
+
+
+# Settings a warm start may change: they do not change what the loaded weights compute.
+_FREE_MODEL_KEYS = ("preset", "init_std", "max_seq_len")
+
+
+def _check_same_model(path: Path, model: ModelConfig) -> None:
+    """Weights mean something only under the model settings they were trained with: a converted
+    Llama 3.1 model loaded without its RoPE scaling would load cleanly and compute something else.
+    Shapes that differ would fail to load; settings that differ silently are refused here."""
+    saved = read_model_config(path)
+    changes = [
+        f"model.{key}: {getattr(saved, key)!r} in the checkpoint, {getattr(model, key)!r} here"
+        for key in (f.name for f in fields(ModelConfig))
+        if key not in _FREE_MODEL_KEYS and getattr(saved, key) != getattr(model, key)
+    ]
+    if changes:
+        raise ConfigError(
+            f"checkpoint.load_path {path} holds a model with other settings ({'; '.join(changes)}); "
+            "set those [model] keys to the checkpoint's values (its config.toml lists them)"
+        )
 
 
 def _check_writable(directory: Path) -> None:

@@ -120,6 +120,20 @@ def test_model_only_false_needs_optimizer_state(debug_overrides, saved_at_2_and_
     assert state["step"] == 4
 
 
+def test_a_warm_start_under_other_model_settings_is_refused(
+    debug_overrides, saved_at_2_and_4, tmp_path
+):
+    """Same shapes, other math (a converted Llama 3.1 model without its RoPE scaling would load
+    cleanly): refused, naming each setting."""
+    warm = [
+        f"--checkpoint.load_path={saved_at_2_and_4}",
+        "--metrics.run_dir=" + str(tmp_path / "w"),
+    ]
+    with pytest.raises(ConfigError, match=r"model.rope_theta: 500000.0 in the checkpoint, 10000.0"):
+        _trainer(debug_overrides[:1], *warm, "--model.rope_theta=10000.0")
+    assert _trainer(debug_overrides[:1], *warm, "--model.max_seq_len=512").step == 0
+
+
 def _train_cli(*args, limit_bytes=None, cwd):
     def limit():  # a "full disk": no file may grow past limit_bytes
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
