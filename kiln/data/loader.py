@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -28,28 +27,43 @@ from torch.utils.data import DataLoader
 from kiln.config.sections import DataConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.mixture import choose_datasets, probabilities_at, within_dataset_indices
+from kiln.data.permutation import permute
+from kiln.errors import KilnError
 from kiln.resilience.preemption import detach_loader_worker
 from kiln.train.loss import IGNORE_INDEX
 
+# The sample order's name in the loader state: a checkpoint continues only under the same order.
+SHUFFLE = "feistel-v1"
+
 
 class ShuffledSamples:
-    """Sample k of a prepared dataset: a fresh seeded permutation every epoch."""
+    """Sample k of a prepared dataset: epoch k // n reads the dataset in the order of a seeded
+    permutation, a new one every epoch, computed per index (`permutation.py`)."""
 
     streaming = False
 
     def __init__(self, dataset: TokenDataset, *, seed: int, shuffle: bool = True):
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
 
-    def sample(self, k: int) -> np.ndarray:
+    def indices(self, ks: np.ndarray) -> np.ndarray:
+        """Dataset index of each sample number in `ks` (int64)."""
         n = len(self.dataset)
-        epoch, offset = divmod(k, n)
-        index = int(_permutation(self.seed, epoch, n)[offset]) if self.shuffle else offset
-        return self.dataset.sample(index)
+        ks = np.asarray(ks, dtype=np.int64)
+        if not self.shuffle:
+            return ks % n
+        epochs, offsets = np.divmod(ks, n)
+        out = np.empty_like(ks)
+        for epoch in np.unique(epochs).tolist():  # a step spans one epoch, rarely two
+            at = epochs == epoch
+            out[at] = permute(offsets[at], n, seed=self.seed, epoch=epoch)
+        return out
 
+    def read(self, ks: list[int]) -> list[np.ndarray]:
+        """Tokens of samples `ks`, with one permutation evaluation for all of them."""
+        return [self.dataset.sample(i) for i in self.indices(np.array(ks)).tolist()]
 
-@lru_cache(maxsize=8)
-def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    def sample(self, k: int) -> np.ndarray:
+        return self.read([k])[0]
 
 
 @dataclass
@@ -125,11 +139,13 @@ class BatchLoader:
             "data_step": self._state["step"],
             "dataset_counts": dict(zip(self._names(), self._state["counts"], strict=True)),
             "streams": self._state["streams"],
+            "shuffle": SHUFFLE,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the saved position; a checkpoint of a single-dataset run (only
         `samples_seen`) counts all its samples as that dataset's."""
+        self.check_order(state)
         counts = state.get("dataset_counts") or {self._names()[0]: state["samples_seen"]}
         step = state.get("data_step", state.get("step", 0))
         self._state = {
@@ -142,6 +158,26 @@ class BatchLoader:
             if source.samples.streaming:
                 source.samples.seek(self._state["streams"].get(source.name))
         self._batches = None
+
+    def check_order(self, state: dict[str, Any]) -> None:
+        """Refuse a saved state whose sample order is not this loader's: counts continue an order
+        only under the shuffle that made it; under another they would repeat and skip samples.
+        Cheap, so a resume can call it before loading any weights."""
+        saved = state.get("shuffle")
+        if saved == SHUFFLE or not any(self._shuffles(s.samples) for s in self.sources):
+            return
+        written = repr(saved) if saved else "a materialized per-epoch permutation (an older kiln)"
+        raise KilnError(
+            f"cannot continue the data order of this checkpoint: it was written by a kiln that "
+            f"shuffles with {written}, and this kiln shuffles with {SHUFFLE!r}, so resuming "
+            "would repeat some samples and skip others. Resume with the kiln version that wrote "
+            "it, or start a new run from its weights: checkpoint.load_path = <its step "
+            "directory> and checkpoint.model_only = true, with a new checkpoint.dir"
+        )
+
+    @staticmethod
+    def _shuffles(samples: Any) -> bool:
+        return not samples.streaming and samples.shuffle
 
     def _names(self) -> list[str]:
         return [source.name for source in self.sources]
@@ -222,11 +258,7 @@ class _PlannedReader:
     def __getitem__(self, plan: dict) -> dict[str, Any]:
         """The step's arrays as numpy: pickled through the worker's pipe they reach the training
         process 2-3x faster than torch tensors in shared memory (benchmarks/data.md)."""
-        streamed = plan["streamed"]
-        rows = [
-            streamed[g] if g in streamed else self.sources[d].samples.sample(k)
-            for g, d, k in plan["rows"]
-        ]
+        rows = self._read(plan["rows"], plan["streamed"])
         tokens = np.stack(rows).reshape(plan["micro"], -1, rows[0].shape[0])
         datasets = np.array([d for _, d, _ in plan["rows"]]).reshape(plan["micro"], -1)
         labels = tokens[:, :, 1:].copy()
@@ -241,6 +273,20 @@ class _PlannedReader:
             "sample_ids": plan["rows"],
             "state": plan["state"],
         }
+
+    def _read(
+        self, rows: list[tuple[int, int, int]], streamed: dict[int, np.ndarray]
+    ) -> list[np.ndarray]:
+        """Tokens of each planned row: streamed ones as read, the others from their dataset,
+        with one permutation evaluation per dataset."""
+        out = [streamed.get(g) for g, _, _ in rows]
+        for d, source in enumerate(self.sources):
+            wanted = [i for i, (g, row_d, _) in enumerate(rows) if row_d == d and g not in streamed]
+            if wanted:
+                tokens = source.samples.read([rows[i][2] for i in wanted])
+                for i, t in zip(wanted, tokens, strict=True):
+                    out[i] = t
+        return out
 
 
 def _identity(item: Any) -> Any:

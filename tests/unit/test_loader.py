@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import tracemalloc
 from collections import Counter
 
 import numpy as np
@@ -13,15 +14,16 @@ import torch
 
 from kiln.config.sections import DataConfig, DataPhase, DatasetSource
 from kiln.data import ShardWriter, TokenDataset, train_bpe_tokenizer
-from kiln.data.loader import BatchLoader, ShuffledSamples, Source
+from kiln.data.loader import SHUFFLE, BatchLoader, ShuffledSamples, Source
 from kiln.data.mixture import (
     choose_datasets,
     lr_scale_at,
     probabilities_at,
     within_dataset_indices,
 )
+from kiln.data.permutation import permute
 from kiln.data.sources import open_eval_data, open_training_data
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.train.loss import IGNORE_INDEX
 
 SEQ = 8
@@ -128,7 +130,8 @@ def test_workers_prefetch_and_resume_exactly(datasets):
 def test_single_dataset_checkpoint_state_loads(datasets):
     cfg = mixture(weights=(1.0, 0.0))
     ld = loader(datasets, cfg)
-    ld.load_state_dict({"step": 4, "samples_seen": 8})  # what kiln wrote before mixtures
+    # What kiln wrote before mixtures, with the shuffle marker of today's order.
+    ld.load_state_dict({"step": 4, "samples_seen": 8, "shuffle": SHUFFLE})
     assert ld.state_dict()["dataset_counts"] == {"web": 8, "code": 0}
     assert ld.next_step().sample_ids[0][0] == 8
 
@@ -174,3 +177,83 @@ def test_opening_checks_tokenizers_across_the_mixture(datasets, tmp_path):
     with pytest.raises(ConfigError, match="there is no held-out data"):
         open_eval("", tokenizer_path=web / "tokenizer.json")
     assert open_eval(str(web), tokenizer_path=web / "tokenizer.json").path == web
+
+
+class FakeDataset:
+    """n samples without any data behind them: sample i is [i, i]."""
+
+    def __init__(self, n: int):
+        self.n, self.eos_id = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def sample(self, i: int) -> np.ndarray:
+        assert 0 <= i < self.n
+        return np.array([i, i], dtype=np.int64)
+
+
+def test_each_epoch_reads_every_sample_once_in_a_new_order():
+    n = 1000
+    samples = ShuffledSamples(FakeDataset(n), seed=3)
+    epochs = [samples.indices(np.arange(e * n, (e + 1) * n)) for e in range(3)]
+    for e, order in enumerate(epochs):
+        assert np.array_equal(np.sort(order), np.arange(n))
+        assert np.array_equal(order, permute(np.arange(n), n, seed=3, epoch=e))
+    assert np.mean(epochs[0] == epochs[1]) < 0.01
+    across = np.arange(n - 5, n + 5)  # one step may straddle two epochs
+    assert samples.indices(across).tolist() == [samples.sample(k)[0] for k in across]
+    plain = ShuffledSamples(FakeDataset(n), seed=3, shuffle=False)
+    assert plain.indices(np.array([0, 5, n + 7])).tolist() == [0, 5, 7]
+
+
+def test_a_loader_over_two_billion_samples_needs_no_memory_for_the_order():
+    n = 2_000_000_000
+    cfg = DataConfig()
+    tracemalloc.start()
+    try:
+        ld = BatchLoader(
+            [Source("data", ShuffledSamples(FakeDataset(n), seed=1), 0)],
+            cfg,
+            seed=1,
+            batch_size=64,
+            grad_accum_steps=2,
+        )
+        ld.load_state_dict(
+            {**ld.state_dict(), "samples_seen": n - 64, "dataset_counts": {"data": n - 64}}
+        )
+        batch = ld.next_step()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # the old per-epoch permutation was 16 GB
+    ks = np.array([k for _, _, k in batch.sample_ids])
+    assert ks.tolist() == list(range(n - 64, n + 64))  # the step straddles epochs 0 and 1
+    read = torch.cat([inputs for inputs, _ in batch.micro_batches]).flatten().numpy()
+    expected = [permute(ks[:64], n, seed=1, epoch=0), permute(ks[64:] - n, n, seed=1, epoch=1)]
+    assert np.array_equal(read, np.concatenate(expected))
+
+
+def test_a_checkpoint_of_another_shuffle_is_refused(datasets):
+    cfg = mixture()
+    state = loader(datasets, cfg).state_dict()
+    assert state["shuffle"] == SHUFFLE
+    legacy = {k: v for k, v in state.items() if k != "shuffle"}
+    for saved, named in (
+        (legacy, "a materialized per-epoch permutation"),
+        ({**state, "shuffle": "x-v9"}, "'x-v9'"),
+    ):
+        with pytest.raises(
+            KilnError, match=re.escape(named) + ".*kiln version that wrote it.*model_only"
+        ):
+            loader(datasets, cfg).load_state_dict(saved)
+    # Reading in order (held-out data) does not depend on the shuffle.
+    unshuffled = BatchLoader(
+        [Source("web", ShuffledSamples(datasets["web"], seed=0, shuffle=False), 0)],
+        mixture(weights=(1.0, 0.0)),
+        seed=0,
+        batch_size=2,
+        grad_accum_steps=1,
+    )
+    unshuffled.load_state_dict(legacy)
+    assert unshuffled.next_step().sample_ids[0][0] == state["samples_seen"]
