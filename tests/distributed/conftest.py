@@ -1,23 +1,56 @@
-"""Reference runs shared by the parity suites: one process per model variant, computed on first use."""
+"""Fixtures of the parity suites: gangs of worker processes that run `kiln train` jobs, and the
+one-process reference runs, one per model variant, computed on first use."""
 
 import pytest
 
-from tests.distributed.parity import GLOBAL_BATCH, records, train
+from tests.distributed.parity import GLOBAL_BATCH, STEPS, records, train_args
+from tests.distributed.workers import Gangs, kiln_train
 
 
 @pytest.fixture(scope="session")
-def references(tmp_path_factory, demo_data):
-    """One-process runs, one per model variant, computed on first use."""
+def gangs(tmp_path_factory):
+    gangs = Gangs(tmp_path_factory.mktemp("gangs"))
+    yield gangs
+    gangs.close()
+
+
+@pytest.fixture(scope="session")
+def train(gangs, demo_data):
+    """train(run_dir, nproc, *overrides, steps=STEPS, env=None): `kiln train` with the parity
+    arguments on `nproc` ranks of a gang; returns each rank's output. `env`: switches for this
+    job only."""
+
+    def run(run_dir, nproc, *overrides, steps=STEPS, env=None):
+        args = train_args(run_dir, demo_data, *overrides, steps=steps)
+        return gangs.run(nproc, kiln_train, args, env=env)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, train):
+    """runs(nproc, *overrides): the run dir of a parity run of STEPS steps, trained once per
+    session. A layout's test and a test that resumes from (a copy of) its checkpoints share it;
+    treat it as read-only."""
     cache = {}
 
-    def get(*model_overrides):
-        if model_overrides not in cache:
-            base = tmp_path_factory.mktemp("reference")
-            overrides = [f"--train.batch_size={GLOBAL_BATCH}", *model_overrides]
-            cache[model_overrides] = records(train(base, "one", demo_data, 1, *overrides))
-        return cache[model_overrides]
+    def get(nproc, *overrides):
+        if (nproc, overrides) not in cache:
+            run_dir = tmp_path_factory.mktemp("run") / "run"
+            train(run_dir, nproc, *overrides)
+            assert sorted(records(run_dir)) == list(range(1, STEPS + 1))
+            cache[nproc, overrides] = run_dir
+        return cache[nproc, overrides]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def references(runs):
+    """references(*model_overrides): the records of one process on the global batch."""
+    return lambda *model_overrides: records(
+        runs(1, f"--train.batch_size={GLOBAL_BATCH}", *model_overrides)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Parity (DESIGN §5): every data-parallel and tensor-parallel layout reproduces one process."""
 
+import os
 import subprocess
 import sys
 
@@ -9,12 +10,11 @@ from tests.distributed.parity import (
     GLOBAL_BATCH,
     STEPS,
     assert_parity,
-    env,
-    keep_only_first_checkpoint,
+    copy_to_resume,
     records,
-    train,
     train_args,
 )
+from tests.distributed.workers import free_port
 
 KV4 = ("--model.n_kv_heads=4",)  # tp=4 needs the KV heads to split four ways
 TIED = ("--model.tie_embeddings=true",)
@@ -73,51 +73,38 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_layout_matches_one_process(layout, references, tmp_path, demo_data):
+def test_layout_matches_one_process(layout, references, runs):
     nproc, overrides, model = LAYOUTS[layout]
-    got = records(train(tmp_path, "run", demo_data, nproc, *overrides, *model))
-    assert_parity(got, references(*model))
+    assert_parity(records(runs(nproc, *overrides, *model)), references(*model))
 
 
-def test_checkpoint_from_one_layout_resumes_in_another(reference, tmp_path, demo_data):
-    """Save under FSDP on 4 ranks, resume in one process: the rest of the run still matches."""
-    sharded = train(tmp_path, "run", demo_data, 4, "--train.batch_size=2")
-    keep_only_first_checkpoint(sharded)
-    resumed = train(tmp_path, "run", demo_data, 1, f"--train.batch_size={GLOBAL_BATCH}")
-    assert resumed == sharded
-    assert_parity(records(resumed), reference, steps=range(6, STEPS + 1))
+def test_checkpoint_from_one_layout_resumes_in_another(reference, runs, train, tmp_path):
+    """Saved under FSDP by 4 ranks (the dp_shard=4 run), resumed in one process at step 6: the
+    rest of the run still matches."""
+    nproc, overrides, _ = LAYOUTS["dp_shard=4"]
+    run = tmp_path / "run"
+    step_5 = copy_to_resume(runs(nproc, *overrides), run)
+    assert len(list(step_5.glob("*.distcp"))) == 4  # written by the four ranks
+    (output,) = train(run, 1, f"--train.batch_size={GLOBAL_BATCH}")
+    assert f"kiln: resumed from {step_5} (step 5)" in output
+    assert_parity(records(run), reference, steps=range(6, STEPS + 1))
 
 
 def test_two_node_job_on_one_machine(reference, tmp_path, demo_data):
-    """Two torchrun agents (`--nnodes 2`) rendezvous on 127.0.0.1 and train as one job."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Two torchrun agents (`--nnodes 2`) rendezvous on 127.0.0.1 and train as one job: the real
+    launch path of `torchrun ... -m kiln train`, which the gangs do not go through."""
     run_dir = tmp_path / "run"
     args = train_args(run_dir, demo_data, "--train.batch_size=4")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+    launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    launcher += ["--rdzv-id=kiln-two-nodes"]
     agents = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node-rank={node}",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=kiln-two-nodes",
-                "-m",
-                "kiln",
-                "train",
-                *args,
-            ],
+            [*launcher, f"--node-rank={node}", "-m", "kiln", "train", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env(),
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for node in (0, 1)
     ]

@@ -1,0 +1,225 @@
+"""Gangs: N worker processes started once per test session that run many jobs in turn.
+
+A parity job trains ten small steps; starting torchrun and N Python processes that each import
+torch costs more than that on two cores. A gang spawns its N processes once (OMP_NUM_THREADS=1,
+torch imported once each) and then runs jobs in sequence. A job is a module-level function
+called on every rank with the same arguments; `kiln_train` is `kiln train` itself: the same
+`kiln.cli.main`, so the config is built and the Trainer run exactly as on the command line, and
+the process group is set up from env:// (a fresh port per job) and torn down at the clean end of
+the job, as `kiln train` does under torchrun. Environment switches (KILN_TEST_*) are set for one
+job only and every job gets its own output file per rank.
+
+A job that fails on any rank (an exception, a non-zero exit, a dead process) or runs past its
+time limit is reported with every rank's traceback and output, and the gang is killed: a rank
+left waiting in a collective must not hang the next job. The next job starts a fresh gang."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+from pathlib import Path
+
+JOB_TIMEOUT_S = 300
+# After one rank fails, the others get this long to report their own error before the kill.
+GRACE_S = 10
+# Handlers a job may install (the Trainer's preemption flag): put back after every job.
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class JobFailed(AssertionError):
+    def __init__(self, errors: dict[int, str], outputs: list[str]):
+        self.errors, self.outputs = errors, outputs
+        parts = [f"--- rank {rank}: {error}" for rank, error in sorted(errors.items())]
+        parts += [f"--- rank {rank} output:\n{out[-3000:]}" for rank, out in enumerate(outputs)]
+        super().__init__("job failed\n" + "\n".join(parts))
+
+
+class Gang:
+    def __init__(self, world_size: int, log_dir: Path):
+        self.world_size, self.log_dir, self.jobs = world_size, log_dir, 0
+        log_dir.mkdir(parents=True, exist_ok=True)
+        context = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=serve,
+                args=(rank, world_size, child, str(log_dir / f"rank_{rank}.txt")),
+                name=f"gang{world_size}-rank{rank}",
+                daemon=False,  # a daemon may not start the data loader's worker process
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    @property
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def run(self, function, *args, env: dict | None = None, timeout: float = JOB_TIMEOUT_S):
+        """Call `function(*args)` on every rank; return each rank's output (stdout and stderr)."""
+        self.jobs += 1
+        logs = [self.log_dir / f"job_{self.jobs}_rank_{r}.txt" for r in range(self.world_size)]
+        job = (function, args, {**(env or {}), "MASTER_PORT": str(free_port())})
+        for conn, log in zip(self.conns, logs, strict=True):
+            conn.send((*job, str(log)))
+        errors = self._collect(timeout)
+        outputs = [log.read_text() if log.exists() else "" for log in logs]
+        if errors:
+            self.close()
+            raise JobFailed(errors, outputs)
+        return outputs
+
+    def _collect(self, timeout: float) -> dict[int, str]:
+        """Every rank's answer: None when its call returned, else its error."""
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(list(pending), left):
+                rank = pending.pop(conn)
+                try:
+                    error = conn.recv()
+                except (EOFError, OSError):
+                    self.procs[rank].join(5)
+                    error = f"the process died (exit code {self.procs[rank].exitcode})"
+                if error is not None and not errors:
+                    deadline = min(deadline, time.monotonic() + GRACE_S)
+                if error is not None:
+                    errors[rank] = error
+        for rank in pending.values():
+            errors[rank] = "no answer in time (hung, or waiting for a rank that failed)"
+        return errors
+
+    def close(self) -> None:
+        """Tell every rank to stop; kill the ones that cannot hear it (stuck in a collective)."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        deadline = time.monotonic() + 2
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class Gangs:
+    """One gang per world size, started on first use and again after a failed job."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.gangs, self.started = log_dir, {}, 0
+
+    def run(self, world_size: int, function, *args, env: dict | None = None) -> list[str]:
+        gang = self.gangs.get(world_size)
+        if gang is None or not gang.alive:
+            self.started += 1
+            gang = Gang(world_size, self.log_dir / f"gang_{self.started}_of_{world_size}")
+            self.gangs[world_size] = gang
+        return gang.run(function, *args, env=env)
+
+    def close(self) -> None:
+        for gang in self.gangs.values():
+            gang.close()
+
+
+def kiln_train(args: list[str]) -> None:
+    """`kiln train ARGS` on this rank, as the command line runs it."""
+    import torch.distributed as dist
+
+    from kiln.cli import main
+
+    code = main(["train", *args])
+    if code != 0:
+        raise RuntimeError(f"kiln train exited with code {code} (its message is in the output)")
+    assert not dist.is_initialized(), "kiln train left its process group behind"
+
+
+def serve(rank: int, world_size: int, conn, log: str) -> None:
+    """A worker's life: set up the rank once, then run jobs until told to stop (None)."""
+    _redirect_output(log)
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported
+    if world_size > 1:  # one process runs as plain `kiln train`, without these
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+        )
+    import torch
+
+    import kiln.cli  # noqa: F401  (imported once, not in the first job)
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(EOFError):  # the test session ended without saying goodbye
+        while (job := conn.recv()) is not None:
+            conn.send(_run(*job))
+
+
+def _run(function, args: tuple, env: dict, log: str) -> str | None:
+    saved_env = dict(os.environ)
+    saved_handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    os.environ.update(env)
+    try:
+        with _output_to(log):
+            function(*args)
+    except BaseException:  # SystemExit too: argparse exits on a bad argument
+        return traceback.format_exc()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for sig, handler in saved_handlers.items():
+            signal.signal(sig, handler)
+        _forget_compiled_code()
+    return None
+
+
+def _forget_compiled_code() -> None:
+    """torch.compile caches code per process; a later job must compile its own model afresh
+    rather than hit the recompile limit and quietly run eagerly."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
+@contextlib.contextmanager
+def _output_to(path: str):
+    """Send this process's stdout and stderr (Python's and C++'s) to `path` for a while."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    _redirect_output(path)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _redirect_output(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
