@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 
-from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
-from kiln.errors import ConfigError
-from kiln.parallel.pipeline_split import (
+from kiln.config.pipeline import (
     MULTI_STAGE_SCHEDULES,
     PP_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     microbatches,
     num_stages,
 )
+from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
+from kiln.errors import ConfigError
 
 CHOICES = {
     "train.mixed_precision": ("bf16", "fp32"),
@@ -235,9 +235,15 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
         p.append(
             "train.z_loss_weight > 0 is not supported with distributed.tp > 1 yet (vocab-sharded logits); set one of them to 0/1"
         )
+    if d.cp > 1:
+        p.append(
+            "distributed.cp > 1 (context parallel) is not built in this version; set distributed.cp = 1 "
+            "(for long sequences use activation_checkpointing or a larger tp)"
+        )
     if d.ep > 1:
         p.append(
-            "distributed.ep > 1 needs a Mixture-of-Experts model (model.num_experts > 0), which this version does not have"
+            "distributed.ep > 1 (expert parallel) needs a Mixture-of-Experts model, which this version "
+            "does not have; set distributed.ep = 1"
         )
     return p
 

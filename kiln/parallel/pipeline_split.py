@@ -1,20 +1,13 @@
 """Which layers form each pipeline stage, and which stages each pipeline rank runs.
 
-Pure arithmetic on the config (no torch), so validation can use it before any process starts.
+Pure arithmetic on the config (no torch). The schedule names, `num_stages` and `microbatches`
+live in `kiln/config/pipeline.py`, which validation uses; they are imported here for the rest.
 """
 
 from __future__ import annotations
 
+from kiln.config.pipeline import microbatches, num_stages
 from kiln.config.sections import DistributedConfig, JobConfig
-
-# Schedules that run one stage per rank, and those that run several (virtual stages).
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
-
-
-def num_stages(dist: DistributedConfig) -> int:
-    return dist.pp * dist.pp_virtual_stages
 
 
 def layers_per_stage(dist: DistributedConfig, n_layers: int) -> list[int]:
@@ -53,11 +46,6 @@ def stages_of_rank(dist: DistributedConfig, pp_rank: int) -> list[int]:
 def stage_rank(dist: DistributedConfig, stage: int) -> int:
     """The pipeline rank that runs `stage`."""
     return next(r for r in range(dist.pp) if stage in stages_of_rank(dist, r))
-
-
-def microbatches(dist: DistributedConfig, batch_size: int) -> int:
-    """Micro-batches per pipeline pass (pp_microbatches = 0: one sequence each)."""
-    return dist.pp_microbatches or batch_size
 
 
 def bubble_fraction(dist: DistributedConfig, n_microbatches: int) -> float:

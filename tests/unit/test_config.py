@@ -1,7 +1,11 @@
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+import kiln.config
+from kiln.cli import main
 from kiln.config import JobConfig, config_from_dict, load_config, resolve_layout, to_toml, validate
 from kiln.config.load import parse_override
 from kiln.errors import ConfigError
@@ -150,3 +154,22 @@ def test_llama3_rope_scaling_values_are_checked():
         == 8.0
     )
     config_from_dict({"model": {"rope_scaling_factor": 0.5}}, world_size=1)
+
+
+@pytest.mark.parametrize("dim", ["cp", "ep"])
+def test_context_and_expert_parallel_are_rejected_until_built(dim, capsys):
+    cfg = JobConfig()
+    setattr(cfg.distributed, dim, 2)
+    with pytest.raises(ConfigError, match=rf"distributed.{dim} > 1 .*set distributed.{dim} = 1"):
+        validate(cfg, 2)
+    # `kiln check` says so, before any process starts.
+    assert main(["check", str(DEBUG_CONFIG), "--world-size", "2", f"--distributed.{dim}=2"]) == 2
+    assert f"distributed.{dim} > 1" in capsys.readouterr().err
+
+
+def test_config_imports_nothing_of_kiln_but_errors():
+    """The foundation layer: config must not reach up into model, parallel or train."""
+    for path in Path(kiln.config.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kiln."):
+                assert node.module.startswith(("kiln.config", "kiln.errors")), (path, node.module)
