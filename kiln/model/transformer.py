@@ -13,6 +13,7 @@ from kiln.model.document_mask import DocumentMask, build_document_mask
 from kiln.model.feed_forward import FeedForward
 from kiln.model.init import fill_normal_, init_std
 from kiln.model.kv_cache import KVCache
+from kiln.model.parallel_plan import ParallelPlan, llama_plan
 from kiln.model.rope import model_rope_tables
 
 
@@ -88,6 +89,10 @@ class Transformer(nn.Module):
                 h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def parallel_plan(self) -> ParallelPlan:
+        """What kiln/parallel/ needs to know of this model's structure (see parallel_plan.py)."""
+        return llama_plan(self.cfg)
 
     def init_buffers(self) -> None:
         """Recompute the rotary tables (non-persistent buffers hold garbage after `to_empty`)."""

@@ -8,7 +8,6 @@ the first take hidden states instead of tokens; stages before the last return hi
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 
 import torch
@@ -27,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from kiln.config.sections import JobConfig
 from kiln.model.transformer import Transformer
 from kiln.parallel.mesh import ParallelContext
+from kiln.parallel.mutations import mutation_on
 from kiln.parallel.pipeline_split import (
     microbatches,
     num_stages,
@@ -34,10 +34,6 @@ from kiln.parallel.pipeline_split import (
     stage_rank,
     stages_of_rank,
 )
-
-# Test-only: let the schedule also divide gradients by the micro-batch count, the double scaling
-# of a loss that is already normalized. The parity tests must catch it.
-SCALE_GRADS_FOR_TESTS = "KILN_TEST_PP_SCALE_GRADS"
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -50,19 +46,21 @@ SCHEDULES = {
 
 def split_into_stages(model: Transformer, cfg: JobConfig, pp_rank: int) -> list[Transformer]:
     """The stages `pp_rank` runs, built from `model` (still on the meta device, so copying is free)."""
-    dist_cfg, last = cfg.distributed, num_stages(cfg.distributed) - 1
+    plan, dist_cfg, last = model.parallel_plan(), cfg.distributed, num_stages(cfg.distributed) - 1
     parts = []
     for stage in stages_of_rank(dist_cfg, pp_rank):
         part = copy.deepcopy(model)
+        blocks = getattr(part, plan.blocks)
         keep = {str(i) for i in stage_layers(dist_cfg, cfg.model.n_layers, stage)}
-        for name in [n for n in part.layers if n not in keep]:
-            del part.layers[name]
+        for name in [n for n in blocks if n not in keep]:
+            del blocks[name]
         part.embeds_input = stage == 0
-        # With tied embeddings the last stage keeps its own copy of the embedding as output head.
-        if stage != 0 and not (stage == last and cfg.model.tie_embeddings):
-            part.tok_embeddings = None
-        if stage != last:
-            part.norm = part.output = None
+        for name in {*plan.first_stage, *plan.last_stage}:
+            held = (stage == 0 and name in plan.first_stage) or (
+                stage == last and name in plan.last_stage
+            )
+            if not held:
+                setattr(part, name, None)
         parts.append(part)
     return parts
 
@@ -88,7 +86,8 @@ def build_schedule(
         stages[0] if len(stages) == 1 and dist_cfg.pp_schedule in ("gpipe", "1f1b") else stages,
         n_microbatches=microbatches(dist_cfg, cfg.train.batch_size),
         loss_fn=loss_fn,
-        scale_grads=os.environ.get(SCALE_GRADS_FOR_TESTS) == "1",
+        # False: the loss is already normalized. The mutation scales twice; parity must catch it.
+        scale_grads=mutation_on("KILN_TEST_PP_SCALE_GRADS"),
     )
 
 
@@ -98,13 +97,11 @@ class TiedEmbedding:
     constructs it (it creates process groups); ranks holding neither copy have nothing to do."""
 
     def __init__(self, parts: list[Transformer], cfg: JobConfig, parallel: ParallelContext):
-        self.copies = [p.tok_embeddings.weight for p in parts if p.tok_embeddings is not None]
+        name = parts[0].parallel_plan().tied_weight
+        held = [(part, _held(part, name)) for part in parts] if name is not None else []
+        self.copies = [weight for _, weight in held if weight is not None]
         # The last stage's copy: clipped like the other, counted once in the gradient norm.
-        self.duplicates = [
-            p.tok_embeddings.weight
-            for p in parts
-            if p.tok_embeddings is not None and not p.embeds_input
-        ]
+        self.duplicates = [w for part, w in held if w is not None and not part.embeds_input]
         self.group = _first_last_stage_group(cfg, parallel)
 
     @torch.no_grad()
@@ -133,6 +130,16 @@ def _first_last_stage_group(cfg: JobConfig, parallel: ParallelContext) -> dist.P
     pairs = torch.stack([ranks[0].flatten(), ranks[last].flatten()], dim=1).tolist()
     mine, _ = dist.new_subgroups_by_enumeration(pairs)
     return mine
+
+
+def _held(part: nn.Module, path: str) -> torch.Tensor | None:
+    """The parameter at `path` in this stage, or None where the stage dropped its module."""
+    *modules, name = path.split(".")
+    for module in modules:
+        part = getattr(part, module)
+        if part is None:
+            return None
+    return getattr(part, name)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

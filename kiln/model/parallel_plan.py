@@ -1,0 +1,98 @@
+"""What a model family tells `kiln/parallel/` about its structure (DESIGN §4).
+
+The parallel recipes know the order of application and the mechanics (DTensor, fully_shard,
+checkpoint wrappers, pipeline stages); the model family knows its module names. A family hands
+them over as a `ParallelPlan`: its blocks (the unit of pipeline splits, activation checkpointing,
+compile and FSDP), the tensor-parallel style of each module, the FSDP units inside a block, and
+which top-level modules belong to the first and the last pipeline stage. Plans that differ per
+block (a Mixture-of-Experts layer among dense ones) are functions of the block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from kiln.config.sections import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    # Attribute holding the blocks: an nn.ModuleDict keyed by layer index, so that a pipeline
+    # stage that drops blocks keeps the others' names.
+    blocks: str
+    # Tensor-parallel style of each top-level module, applied to those a stage holds.
+    tp: dict[str, ParallelStyle]
+    # Tensor-parallel styles inside one block, by module path within it.
+    block_tp: Callable[[nn.Module], dict[str, ParallelStyle]]
+    # Sub-modules of one block sharded as FSDP units of their own, inside the block's unit.
+    block_fsdp_units: Callable[[nn.Module], tuple[str, ...]]
+    # Top-level modules only the first / only the last pipeline stage holds (one may be in both).
+    first_stage: tuple[str, ...]
+    last_stage: tuple[str, ...]
+    # A parameter held by both the first and the last stage (tied embeddings), or None.
+    tied_weight: str | None = None
+
+
+def llama_plan(cfg: ModelConfig) -> ParallelPlan:
+    """Llama: sequence-parallel norms, column/row-split attention and SwiGLU, vocabulary-split
+    embedding and head with the logits left vocabulary-sharded for the loss (loss parallel)."""
+    tied = cfg.tie_embeddings
+    return ParallelPlan(
+        blocks="layers",
+        tp={
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+        block_tp=_llama_block_tp,
+        block_fsdp_units=lambda block: ("attention", "feed_forward"),
+        first_stage=("tok_embeddings",),
+        # Tied: the last stage keeps its own copy of the embedding as output head.
+        last_stage=("norm", "output", "tok_embeddings") if tied else ("norm", "output"),
+        tied_weight="tok_embeddings.weight" if tied else None,
+    )
+
+
+def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
+    # Attention and feed-forward take the sequence-sharded residual stream and need it whole.
+    # The document mask comes as a keyword, which this passes through untouched: it covers whole
+    # sequences and all heads, so it is the same on every tp rank.
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None),
+            use_local_output=True,
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if block.attention.q_norm is not None:
+        # q and k are (batch, heads, seq, head_dim) with this rank's heads: the norm weight, shared
+        # by all heads, is replicated and its input marked as split along dim 1, so the weight's
+        # gradient is summed over the tp ranks' heads like a sequence-parallel norm's over tokens.
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    return plan
