@@ -21,9 +21,9 @@ from safetensors.torch import save_file
 from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, save_checkpoint
 from kiln.checkpoint.layout import find_tokenizer, resolve_checkpoint
 from kiln.config import JobConfig, ModelConfig, read_toml
-from kiln.data.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer, build_model, materialize
+from kiln.tokens import BOS_CANDIDATES, EOS_CANDIDATES
 
 # Per-layer tensors: kiln name -> Hugging Face Llama name. Rotary embeddings use the same
 # half-split layout on both sides, so q/k weights need no permutation.

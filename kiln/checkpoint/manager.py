@@ -37,6 +37,7 @@ class StartPoint:
     kind: str
     path: Path | None = None
     step: int = 0
+    train_state: dict | None = None  # what a resume continues: data position, tokens seen
 
     @property
     def loads_weights(self) -> bool:
@@ -94,13 +95,14 @@ class CheckpointManager:
             if newest is not None:
                 state = read_train_state(newest)
                 self._check_fingerprint(newest, state.get("fingerprint"), fingerprint)
-                return StartPoint(RESUME_FROM, newest, state["step"])
+                return StartPoint(RESUME_FROM, newest, state["step"], state)
         if self.cfg.load_path:
             path = resolve_checkpoint(self.cfg.load_path)
             _check_same_model(path, self.model)
             if self.cfg.model_only:
                 return StartPoint(WARM_START, path)
-            return StartPoint(CONTINUE, path, read_train_state(path)["step"])
+            state = read_train_state(path)
+            return StartPoint(CONTINUE, path, state["step"], state)
         return StartPoint(SCRATCH)
 
     def _check_fingerprint(self, path: Path, saved: dict | None, current: dict) -> None:

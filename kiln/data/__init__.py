@@ -5,15 +5,13 @@ from kiln.data.demo_corpus import ensure_demo_corpus
 from kiln.data.prepare import prepare_dataset
 from kiln.data.shards import DatasetExistsError, ShardWriter, read_index
 from kiln.data.tokenizer import (
-    BOS_TOKEN,
-    EOS_TOKEN,
-    PAD_TOKEN,
     encode_ids,
     eos_id,
     load_tokenizer,
     tokenizer_hash,
     train_bpe_tokenizer,
 )
+from kiln.tokens import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 
 __all__ = [
     "BOS_TOKEN",

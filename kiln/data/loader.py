@@ -28,9 +28,9 @@ from kiln.config.sections import DataConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.mixture import choose_datasets, probabilities_at, within_dataset_indices
 from kiln.data.permutation import permute
+from kiln.data.workers import detach_loader_worker
 from kiln.errors import KilnError
-from kiln.resilience.preemption import detach_loader_worker
-from kiln.train.loss import IGNORE_INDEX
+from kiln.tokens import IGNORE_INDEX
 
 # The sample order's name in the loader state: a checkpoint continues only under the same order.
 SHUFFLE = "feistel-v1"

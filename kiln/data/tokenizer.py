@@ -9,16 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kiln.errors import KilnError
-
-BOS_TOKEN = "<|bos|>"
-EOS_TOKEN = "<|eos|>"
-PAD_TOKEN = "<|pad|>"
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
-
-# End-of-document names used by kiln and by common published tokenizers
-# (Llama 3, GPT-2, Llama 2 / Mistral), so `kiln prepare` works with them as-is.
-EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "<|endoftext|>", "</s>")
-BOS_CANDIDATES = (BOS_TOKEN, "<|begin_of_text|>", "<s>")
+from kiln.tokens import EOS_CANDIDATES, EOS_TOKEN, SPECIAL_TOKENS
 
 # 256 byte symbols plus the special tokens: a smaller vocabulary cannot encode every text.
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)

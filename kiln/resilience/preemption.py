@@ -46,16 +46,6 @@ class PreemptionFlag:
         self._previous = {}
 
 
-def detach_loader_worker(worker_id: int = 0) -> None:
-    """For data-loader worker processes. torchrun signals the whole process group of a rank and
-    SLURM every process of the job, but the training process decides when to stop and shuts its
-    workers down itself: a worker killed first would fail the step that writes the checkpoint.
-    So a worker leaves the rank's process group and ignores SIGUSR1; SIGTERM stays deadly, as
-    the DataLoader needs it to stop a stuck worker."""
-    os.setpgid(0, 0)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
-
 class Preempted(Exception):
     """Training stopped at a step boundary on request, after writing a checkpoint."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from kiln.tokens import IGNORE_INDEX
 
 
 def token_loss_sum(

@@ -79,6 +79,8 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
         )
         self.step, self.tokens_seen = 0, 0
+        if start.train_state is not None:  # before any weight is read
+            self.loader.check_order(start.train_state)
         state = self.checkpoints.restore(start, model=self.model_parts, optimizer=self.optimizers)
         if state is not None:
             self._continue_from(state)

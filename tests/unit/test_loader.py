@@ -24,7 +24,7 @@ from kiln.data.mixture import (
 from kiln.data.permutation import permute
 from kiln.data.sources import open_eval_data, open_training_data
 from kiln.errors import ConfigError, KilnError
-from kiln.train.loss import IGNORE_INDEX
+from kiln.tokens import IGNORE_INDEX
 
 SEQ = 8
 

@@ -1,7 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from kiln.train.loss import IGNORE_INDEX, count_valid, token_loss_sum
+from kiln.tokens import IGNORE_INDEX
+from kiln.train.loss import count_valid, token_loss_sum
 
 
 def test_sum_over_valid_tokens_with_z_loss():
