@@ -159,7 +159,7 @@ class Trainer:
             self.iteration_seconds.append(time.perf_counter() - began)
             if result.stop or result.time_up:
                 return self._stop_early(result, preemption, records)
-        if cfg.stop_at_step == self.step:
+        if cfg.stop_at_step == self.step < cfg.max_steps:
             self._end_with_checkpoint("train.stop_at_step", "without it to continue")
         elif self.cfg.checkpoint.save_final and not self.checkpoints.is_saved(self.step):
             self.save()
