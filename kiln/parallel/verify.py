@@ -3,7 +3,7 @@
 The proxy keeps everything a layout's rules depend on (head and KV-head counts, the layout, the
 pipeline schedule, activation checkpointing, compile, gradient accumulation) and shrinks the rest
 (two layers per pipeline stage, head dim 16, sequence 64, one sequence per data rank or per
-pipeline micro-batch), trains it in fp32 on the built-in corpus in the configured layout and in
+pipeline micro-batch), trains it in fp32 on the CPU on the built-in corpus in the configured layout and in
 one process on the same global batch, and compares loss and gradient norm step by step.
 """
 
@@ -11,17 +11,28 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
-from kiln.config.sections import DataConfig
+from kiln.config.pipeline import num_stages
+from kiln.config.sections import DataConfig, DistributedConfig
+from kiln.config.validate import LAYOUT_DIMS
 from kiln.errors import KilnError
-from kiln.parallel.pipeline_split import num_stages
 
 TOLERANCE = 1e-5
+
+
+def default_world_size(dist: DistributedConfig) -> int:
+    """The layout's product of degrees; `dp_shard = -1` (fill the rest) counts as 2, the smallest
+    degree that still shards."""
+    degrees = {d: getattr(dist, d) for d in LAYOUT_DIMS}
+    if degrees["dp_shard"] == -1:
+        degrees["dp_shard"] = 2
+    return math.prod(degrees.values())
 
 
 def proxy_config(
@@ -41,7 +52,8 @@ def proxy_config(
     t.seq_len, t.max_steps = 64, steps
     t.batch_size = (cfg.distributed.pp_microbatches or cfg.distributed.pp) if pipelined else 1
     t.grad_accum_steps = min(t.grad_accum_steps, 4)
-    t.mixed_precision = "fp32"
+    # Parity is proven in fp32 on the CPU (gloo), whatever device the recipe trains on.
+    t.mixed_precision, t.device = "fp32", "cpu"
     proxy.scheduler.warmup_steps = 0
     # The built-in corpus as one dataset; document masking stays, as it changes the computation.
     proxy.data = DataConfig(

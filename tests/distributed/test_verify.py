@@ -4,20 +4,22 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import DEBUG_CONFIG
+from kiln.config import load_config
+from kiln.parallel.verify import proxy_config
+from tests.conftest import DEBUG_CONFIG, REPO
 
 
-def verify(demo_data, tmp_path, *extra, env=None):
+def verify(demo_data, tmp_path, *extra, env=None, recipe=DEBUG_CONFIG, steps=4):
     command = [
         sys.executable,
         "-m",
         "kiln",
         "verify",
-        str(DEBUG_CONFIG),
+        str(recipe),
         "--data",
         str(demo_data),
         "--steps",
-        "4",
+        str(steps),
         *extra,
     ]
     return subprocess.run(
@@ -84,3 +86,14 @@ def test_pipeline_gradients_scaled_twice_are_caught(demo_data, tmp_path):
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL" in result.stdout and "<- differs" in result.stdout
+
+
+def test_verify_runs_a_shipped_recipe_as_it_is(demo_data, tmp_path):
+    """A GPU recipe with dp_shard = -1 and no --world-size: dp_shard counts as 2, the proxy
+    trains on the CPU in fp32."""
+    recipe = REPO / "configs" / "train" / "7b.toml"
+    result = verify(demo_data, tmp_path, recipe=recipe, steps=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout and "dp_shard=2" in result.stdout
+    proxy = proxy_config(load_config(recipe), 2, steps=2, run_dir=tmp_path, data_path="demo")
+    assert (proxy.train.device, proxy.train.mixed_precision) == ("cpu", "fp32")
