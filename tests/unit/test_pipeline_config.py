@@ -1,7 +1,11 @@
 """Pipeline stage split, rank assignment and validation: pure config arithmetic, no processes."""
 
+import ast
+from pathlib import Path
+
 import pytest
 
+import kiln.parallel
 from kiln.config import JobConfig, ModelConfig, validate
 from kiln.config.sections import DistributedConfig
 from kiln.errors import ConfigError
@@ -144,3 +148,13 @@ def test_pipeline_keys_are_inert_without_pp():
     cfg = JobConfig(model=ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=2))
     cfg.distributed.pp_microbatches = 3
     validate(cfg, 1)
+
+
+def test_parallel_recipes_name_no_module_of_the_model():
+    """Blocks, TP styles, FSDP units and stage boundaries come from the model's plan
+    (`Transformer.parallel_plan()`): kiln/parallel/ names none of the model's modules."""
+    modules = {"layers", "tok_embeddings", "attention", "feed_forward", "norm", "output"}
+    for path in Path(kiln.parallel.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            assert named not in modules, f"{path.name}:{node.lineno} names {named!r}"
