@@ -122,6 +122,13 @@ def _train_problems(cfg: JobConfig) -> list[str]:
         p.append(
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}): lower seq_len or raise max_seq_len"
         )
+    if not 0 <= t.stop_at_step <= t.max_steps:
+        p.append(
+            f"train.stop_at_step ({t.stop_at_step}) must be in [0, train.max_steps = {t.max_steps}]: "
+            "it ends this invocation early (0: off); to train longer, raise train.max_steps"
+        )
+    if t.time_limit_minutes < 0:
+        p.append(f"train.time_limit_minutes must be >= 0 (0: no limit), got {t.time_limit_minutes}")
     if t.grad_clip_norm < 0:
         p.append(f"train.grad_clip_norm must be >= 0 (0 disables clipping), got {t.grad_clip_norm}")
     if t.z_loss_weight < 0:

@@ -54,6 +54,8 @@ def test_tour_commands_sharing_a_run_dir_are_the_same_run():
         if run_dir in seen:
             earlier, first = seen[run_dir]
             changes = fingerprint_changes(earlier, fingerprint)
-            assert not changes, f"{' '.join(words)} reuses {run_dir} of {' '.join(first)}: {changes}"
+            assert not changes, (
+                f"{' '.join(words)} reuses {run_dir} of {' '.join(first)}: {changes}"
+            )
         else:
             seen[run_dir] = (fingerprint, words)

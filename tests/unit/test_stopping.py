@@ -44,3 +44,16 @@ def test_the_time_limit_keeps_room_for_two_steps_and_a_checkpoint():
 
 def test_the_limit_counts_from_the_start_of_the_process():
     assert 0 < time.monotonic() - process_started() < 3600
+
+
+def test_bad_stop_settings_name_the_key_and_the_fix():
+    from kiln.config import JobConfig, validate
+    from kiln.errors import ConfigError
+
+    cfg = JobConfig()
+    cfg.train.stop_at_step, cfg.train.time_limit_minutes = 500, -1
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert "train.stop_at_step (500) must be in [0, train.max_steps = 100]" in str(error.value)
+    assert "raise train.max_steps" in str(error.value)
+    assert "train.time_limit_minutes must be >= 0" in str(error.value)
