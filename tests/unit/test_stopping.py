@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from kiln.config import JobConfig, validate
+from kiln.errors import ConfigError
 from kiln.resilience import PreemptionFlag
 from kiln.resilience.preemption import Preempted
 from kiln.resilience.time_limit import TimeLimit, process_started
@@ -47,9 +49,6 @@ def test_the_limit_counts_from_the_start_of_the_process():
 
 
 def test_bad_stop_settings_name_the_key_and_the_fix():
-    from kiln.config import JobConfig, validate
-    from kiln.errors import ConfigError
-
     cfg = JobConfig()
     cfg.train.stop_at_step, cfg.train.time_limit_minutes = 500, -1
     with pytest.raises(ConfigError) as error:
