@@ -3,7 +3,7 @@ one-process reference runs, one per model variant, computed on first use."""
 
 import pytest
 
-from tests.distributed.parity import GLOBAL_BATCH, STEPS, records, train_args
+from tests.distributed.parity import STEPS, records, reference_args, train_args
 from tests.distributed.workers import Gangs, kiln_train
 
 
@@ -48,9 +48,7 @@ def runs(tmp_path_factory, train):
 @pytest.fixture(scope="session")
 def references(runs):
     """references(*model_overrides): the records of one process on the global batch."""
-    return lambda *model_overrides: records(
-        runs(1, f"--train.batch_size={GLOBAL_BATCH}", *model_overrides)
-    )
+    return lambda *model_overrides: records(runs(*reference_args(*model_overrides)))
 
 
 @pytest.fixture(scope="session")

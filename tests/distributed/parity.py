@@ -18,6 +18,8 @@ TOLERANCE = 1e-5
 # weights, the smallest at about 1.3e-4 of the global norm). Under the floor those get 8e-5
 # relative, still far tighter than a real mistake (an unreduced tp gradient: 20-45%).
 FLOOR = 1e-3
+# Checkpoints at steps 5 and 10, for the runs that another run resumes from.
+SAVE = "--checkpoint.interval=5"
 
 
 def train_args(run_dir, demo_data, *overrides, steps=STEPS):
@@ -31,13 +33,20 @@ def train_args(run_dir, demo_data, *overrides, steps=STEPS):
         "--metrics.param_grad_norms=true",
         "--metrics.plot=false",
         "--train.grad_clip_norm=0.5",
-        "--checkpoint.interval=5",
+        # Saving costs a quarter of a job; the runs that are resumed from ask for it (SAVE).
+        "--checkpoint.interval=0",
         "--checkpoint.save_final=false",
         # A rank that died or hung fails the others' next collective in 2 minutes, not 10.
         "--resilience.collective_timeout_s=120",
         *overrides,
     ]
     return [*map(str, args)]
+
+
+def reference_args(*model_overrides):
+    """`runs` arguments of the reference run of a model variant; it saves checkpoints, which
+    resume tests continue in other layouts."""
+    return 1, f"--train.batch_size={GLOBAL_BATCH}", SAVE, *model_overrides
 
 
 def records(run_dir):

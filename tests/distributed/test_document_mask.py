@@ -1,6 +1,6 @@
 """Document masking under tensor and data parallelism reproduces one process (DESIGN §5).
 
-A standalone gloo job (two spawned processes) trains a few SGD steps on one fixed packed batch
+A gloo job on a gang of two processes (workers.py) trains a few SGD steps on one fixed packed batch
 in several layouts; the losses and full gradients of every step match a one-process run.
 """
 
@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -22,7 +21,8 @@ from kiln.model.transformer import canonical_name
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import ParallelContext, init_parallel
-from kiln.train.loss import IGNORE_INDEX, count_valid, token_loss_sum
+from kiln.tokens import IGNORE_INDEX
+from kiln.train.loss import count_valid, token_loss_sum
 
 EOS = 0
 STEPS = 3
@@ -96,24 +96,20 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
+def _run_layouts(out_dir: str) -> None:
+    """A job of a 2-process gang: every layout in turn in one process group; rank 0 saves."""
     for i, (dist_cfg, activation_checkpointing) in enumerate(LAYOUTS.values()):
         parallel = init_parallel(dist_cfg, torch.device("cpu"))
         records = train_steps(parallel, activation_checkpointing)
-        if rank == 0:
+        if parallel.is_main:
             torch.save(records, os.path.join(out_dir, f"{i}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
+def layout_runs(tmp_path_factory, gangs):
     out = tmp_path_factory.mktemp("document_mask")
-    mp.spawn(_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    gangs.run(2, _run_layouts, str(out))
     return {name: torch.load(out / f"{i}.pt") for i, name in enumerate(LAYOUTS)}
 
 

@@ -1,6 +1,6 @@
 """`kiln convert kiln-to-hf` exports checkpoints written by multi-process layouts (DESIGN §5):
 DCP keys the state by parameter name, so one process reads a checkpoint of any layout whole. Each
-layout trains the debug model 2 steps with `torchrun` on CPU (gloo) and checkpoints; the export
+layout trains the debug model 2 steps on a gang of 4 ranks on CPU (gloo) and checkpoints; the export
 must hold exactly the checkpoint's weights and give the logits of kiln's model."""
 
 import json
@@ -13,7 +13,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from kiln.checkpoint import load_checkpoint, read_model_config, resolve_checkpoint
 from kiln.checkpoint.hf_convert import _name_map, kiln_to_hf
 from kiln.model import build_model, materialize
-from tests.distributed.parity import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,8 +39,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_export_of_a_multi_process_checkpoint(layout, tmp_path, demo_data):
-    run = train(tmp_path, "run", demo_data, 4, *SMALL, *LAYOUTS[layout], steps=2)
+def test_export_of_a_multi_process_checkpoint(layout, tmp_path, train):
+    run = tmp_path / "run"
+    train(run, 4, *SMALL, *LAYOUTS[layout], steps=2)
     step_dir = resolve_checkpoint(run / "checkpoints")
     assert step_dir.name == "step_00000002"
     assert len(list(step_dir.glob("*.distcp"))) == 4  # one file per rank

@@ -8,6 +8,7 @@ import pytest
 
 from tests.distributed.parity import (
     GLOBAL_BATCH,
+    SAVE,
     STEPS,
     assert_parity,
     copy_to_resume,
@@ -21,7 +22,8 @@ TIED = ("--model.tie_embeddings=true",)
 
 LAYOUTS = {
     "dp_shard=2": (2, ["--distributed.dp_shard=2", "--train.batch_size=4"], ()),
-    "dp_shard=4": (4, ["--distributed.dp_shard=4", "--train.batch_size=2"], ()),
+    # Saves checkpoints: test_checkpoint_from_one_layout_resumes_in_another continues them.
+    "dp_shard=4": (4, ["--distributed.dp_shard=4", "--train.batch_size=2", SAVE], ()),
     "dp_shard=8": (8, ["--distributed.dp_shard=8", "--train.batch_size=1"], ()),
     "dp_replicate=2 x dp_shard=2": (
         4,

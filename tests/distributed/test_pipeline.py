@@ -2,20 +2,18 @@
 with tensor parallel, FSDP, activation checkpointing, gradient accumulation and tied embeddings,
 and checkpoints that move between pipelined and unpipelined layouts."""
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import DEBUG_CONFIG
 from tests.distributed.parity import (
     GLOBAL_BATCH,
+    SAVE,
     STEPS,
     assert_parity,
-    keep_only_first_checkpoint,
+    copy_to_resume,
     records,
-    train,
+    reference_args,
 )
+from tests.distributed.workers import JobFailed
 
 # Eight layers: enough for pp=4 with two virtual stages per rank.
 L8 = ("--model.n_layers=8",)
@@ -53,7 +51,8 @@ LAYOUTS = {
     },
     # Tensor-parallel collectives over gloo dominate these runs: 2 micro-batches keep them short.
     "pp=2 x tp=2": (4, ["--distributed.pp=2", "--distributed.tp=2", M2], L8),
-    "pp=2 x dp_shard=2": (4, ["--distributed.pp=2", "--train.batch_size=4"], L8),
+    # Saves checkpoints: test_pipelined_checkpoint_resumes_in_one_process continues them.
+    "pp=2 x dp_shard=2": (4, ["--distributed.pp=2", "--train.batch_size=4", SAVE], L8),
     "pp=2 x HSDP (dp_replicate=2)": (
         4,
         [
@@ -120,51 +119,50 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_pipeline_matches_one_process(layout, references, tmp_path, demo_data):
+def layout_run(runs, layout):
     nproc, overrides, model = LAYOUTS[layout]
     batch = (
         [] if any("batch_size" in o for o in overrides) else [f"--train.batch_size={GLOBAL_BATCH}"]
     )
-    got = records(train(tmp_path, "run", demo_data, nproc, *batch, *overrides, *model))
+    return runs(nproc, *batch, *overrides, *model)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_pipeline_matches_one_process(layout, references, runs):
+    model = LAYOUTS[layout][2]
     tied = "--model.tie_embeddings=true" in model
-    assert_parity(got, references(*model, *(PER_SEQUENCE if tied else ())))
+    expected = references(*model, *(PER_SEQUENCE if tied else ()))
+    assert_parity(records(layout_run(runs, layout)), expected)
 
 
-def test_pipelined_checkpoint_resumes_in_one_process(references, tmp_path, demo_data):
+def test_pipelined_checkpoint_resumes_in_one_process(references, runs, train, tmp_path):
     """Saved by pp=2 × dp_shard=2 stages (each rank writes its layers), resumed unpipelined."""
-    run = train(tmp_path, "run", demo_data, 4, "--distributed.pp=2", "--train.batch_size=4", *L8)
-    keep_only_first_checkpoint(run)
-    resumed = train(tmp_path, "run", demo_data, 1, f"--train.batch_size={GLOBAL_BATCH}", *L8)
-    assert_parity(records(resumed), references(*L8), steps=range(6, STEPS + 1))
+    run = tmp_path / "run"
+    step_5 = copy_to_resume(layout_run(runs, "pp=2 x dp_shard=2"), run)
+    assert len(list(step_5.glob("*.distcp"))) == 4
+    (output,) = train(run, 1, f"--train.batch_size={GLOBAL_BATCH}", *L8)
+    assert f"kiln: resumed from {step_5} (step 5)" in output
+    assert_parity(records(run), references(*L8), steps=range(6, STEPS + 1))
 
 
-def test_one_process_checkpoint_resumes_pipelined(references, tmp_path, demo_data):
-    """Saved by one process, resumed by pp=2 × tp=2 with interleaved virtual stages."""
-    run = train(tmp_path, "run", demo_data, 1, f"--train.batch_size={GLOBAL_BATCH}", *L8)
-    keep_only_first_checkpoint(run)
-    resumed = train(
-        tmp_path,
-        "run",
-        demo_data,
-        4,
-        "--distributed.pp=2",
-        "--distributed.tp=2",
-        *schedule("interleaved_1f1b"),
-        f"--train.batch_size={GLOBAL_BATCH}",
-        M2,
-        *L8,
-    )
-    assert_parity(records(resumed), references(*L8), steps=range(6, STEPS + 1))
+def test_one_process_checkpoint_resumes_pipelined(references, runs, train, tmp_path):
+    """Saved by one process (the reference run), resumed by pp=2 × tp=2 with interleaved
+    virtual stages."""
+    run = tmp_path / "run"
+    step_5 = copy_to_resume(runs(*reference_args(*L8)), run)
+    pipelined = ["--distributed.pp=2", "--distributed.tp=2", *schedule("interleaved_1f1b")]
+    outputs = train(run, 4, *pipelined, f"--train.batch_size={GLOBAL_BATCH}", M2, *L8)
+    assert f"kiln: resumed from {step_5} (step 5)" in outputs[0]
+    assert_parity(records(run), references(*L8), steps=range(6, STEPS + 1))
 
 
-def test_bad_schedule_settings_fail_on_every_rank_before_any_process_group(demo_data, tmp_path):
-    """zbv with one stage per rank: every rank reports it and exits, none waits on the others."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += ["-m", "kiln", "train", str(DEBUG_CONFIG), f"--data.path={demo_data}"]
-    command += [f"--metrics.run_dir={tmp_path / 'run'}", "--distributed.pp=2"]
-    command += ["--distributed.pp_schedule=zbv"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert result.stderr.count("set pp_virtual_stages = 2") == 2, result.stderr
+def test_bad_schedule_settings_fail_on_every_rank_before_any_process_group(train, tmp_path):
+    """zbv with one stage per rank: every rank stops with kiln's error exit before it sets up a
+    process group, none waits on the others; rank 0 says why."""
+    with pytest.raises(JobFailed) as failed:
+        train(tmp_path / "run", 2, "--distributed.pp=2", "--distributed.pp_schedule=zbv")
+    assert sorted(failed.value.errors) == [0, 1]
+    for error in failed.value.errors.values():
+        assert "exited with code 2" in error and "process group is up" not in error, error
+    assert "set pp_virtual_stages = 2" in failed.value.outputs[0]
     assert not (tmp_path / "run").exists()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.checkpoint.hf_convert import hf_to_kiln
-from tests.distributed.parity import GLOBAL_BATCH, assert_parity, records, train
+from tests.distributed.parity import GLOBAL_BATCH, assert_parity, records
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +42,7 @@ def _converted_debug_model(tmp_path):
     return hf_to_kiln(tmp_path / "hf", tmp_path / "converted")
 
 
-def test_checkpoints_move_through_four_layouts(tmp_path, demo_data):
+def test_checkpoints_move_through_four_layouts(tmp_path, train):
     converted = _converted_debug_model(tmp_path)
     steps = SEGMENT * len(LAYOUTS)
     common = [
@@ -53,21 +53,21 @@ def test_checkpoints_move_through_four_layouts(tmp_path, demo_data):
         "--scheduler.name='constant'",
         "--scheduler.warmup_steps=1",
     ]
-    one = train(
-        tmp_path, "one", demo_data, 1, *common, f"--train.batch_size={GLOBAL_BATCH}", steps=steps
-    )
+    one, moved = tmp_path / "one", tmp_path / "moved"
+    train(one, 1, *common, f"--train.batch_size={GLOBAL_BATCH}", steps=steps)
     for index, (nproc, layout) in enumerate(LAYOUTS):
         data_ranks = nproc // (2 if len(layout) == 2 else 1)
-        train(
-            tmp_path,
-            "moved",
-            demo_data,
+        outputs = train(
+            moved,
             nproc,
             *common,
             *layout,
             f"--train.batch_size={GLOBAL_BATCH // data_ranks}",
             steps=SEGMENT * (index + 1),
         )
-    moved = records(tmp_path / "moved")
-    assert sorted(moved) == list(range(1, steps + 1))
-    assert_parity(moved, records(one), steps=range(1, steps + 1))
+        if index > 0:  # each leg continues the previous leg's newest checkpoint
+            newest = moved / "checkpoints" / f"step_{SEGMENT * index:08d}"
+            assert f"kiln: resumed from {newest} (step {SEGMENT * index})" in outputs[0]
+    moved_records = records(moved)
+    assert sorted(moved_records) == list(range(1, steps + 1))
+    assert_parity(moved_records, records(one), steps=range(1, steps + 1))

@@ -1,7 +1,8 @@
 """Jobs that are told to stop, lose a rank or blow up (DESIGN §7): real processes, real signals.
 
 Ranks are started by hand (RANK, WORLD_SIZE, MASTER_ADDR) where the test must see what kiln
-itself does, and by torchrun where the launcher's part (restarts) is under test."""
+itself does to a process (signals, a killed peer), by torchrun where the launcher's part
+(restarts) is under test, and on a gang (workers.py) where only kiln's decisions are (NaN steps)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import DEBUG_CONFIG
-from tests.distributed.parity import env
+from tests.distributed.workers import JobFailed, kiln_train
 
 PREEMPTED = 75
 
@@ -44,7 +47,8 @@ def _start_ranks(nproc: int, args: list[str], logs: Path) -> list[subprocess.Pop
     """`nproc` ranks of one job without a launcher, each logging to logs/rank_R.txt."""
     logs.mkdir(parents=True, exist_ok=True)
     common = {
-        **env(),
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(nproc),
@@ -161,7 +165,11 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
         "--checkpoint.interval=2",
     ]
     launcher = subprocess.Popen(
-        command, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     _wait_for_step(run, 5, [launcher])
     workers = _children(launcher.pid)
@@ -177,7 +185,7 @@ def _children(pid: int) -> list[int]:
     return sorted(map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()))
 
 
-def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(tmp_path, demo_data):
+def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(gangs, tmp_path, demo_data):
     run = tmp_path / "run"
     overrides = [
         "--train.max_steps=10",
@@ -187,9 +195,7 @@ def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(tmp_path, d
         "--resilience.nan_max_consecutive=2",
         "--resilience.nan_action='rollback'",
     ]
-    procs = _start_ranks(2, _args(run, demo_data, *overrides), tmp_path / "logs")
-    assert _wait_all(procs, 300) == [0, 0], _log(tmp_path / "logs")
-    log = _log(tmp_path / "logs")
+    log, _ = gangs.run(2, kiln_train, _args(run, demo_data, *overrides))
     assert "step 3: non-finite loss" in log and "(1 in a row" in log
     assert "rolled back from step 8 to" in log and "step_00000004" in log
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -198,7 +204,7 @@ def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(tmp_path, d
     assert records[-1]["skipped_steps"] == 3
 
 
-def test_too_many_non_finite_steps_stop_the_job_with_a_message(tmp_path, demo_data):
+def test_too_many_non_finite_steps_stop_the_job_with_a_message(gangs, tmp_path, demo_data):
     args = _args(
         tmp_path / "run",
         demo_data,
@@ -206,13 +212,9 @@ def test_too_many_non_finite_steps_stop_the_job_with_a_message(tmp_path, demo_da
         "--resilience.debug_nan_steps=[2, 3]",
         "--resilience.nan_max_consecutive=2",
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "kiln", "train", *args],
-        capture_output=True,
-        text=True,
-        env=env(),
-        timeout=300,
-    )
-    assert result.returncode == 2
-    assert "2 steps in a row up to step 3 had a non-finite loss" in result.stderr
-    assert "Traceback" not in result.stderr
+    with pytest.raises(JobFailed) as failed:
+        gangs.run(1, kiln_train, args)
+    assert "exited with code 2" in failed.value.errors[0]
+    (output,) = failed.value.outputs
+    assert "2 steps in a row up to step 3 had a non-finite loss" in output
+    assert "Traceback" not in output

@@ -142,9 +142,10 @@ def kiln_train(args: list[str]) -> None:
     from kiln.cli import main
 
     code = main(["train", *args])
+    group = "; its process group is up" if dist.is_initialized() else ""
     if code != 0:
-        raise RuntimeError(f"kiln train exited with code {code} (its message is in the output)")
-    assert not dist.is_initialized(), "kiln train left its process group behind"
+        raise RuntimeError(f"kiln train exited with code {code}{group} (see its output)")
+    assert not group, "kiln train ended cleanly but left its process group behind"
 
 
 def serve(rank: int, world_size: int, conn, log: str) -> None:
