@@ -65,7 +65,7 @@ def main() -> None:
     )
     cfg.train.max_steps = 10**9  # the LR schedule keeps going; nothing here ends the run
     trainer = Trainer(cfg)
-    (first,) = trainer.loader.next_step()
+    (first,) = trainer.loader.next_step().micro_batches
     batch = torch.cat([first[0], first[1][:, -1:]], dim=1)
     baseline = baseline_step_fn(cfg, batch)
 

@@ -26,12 +26,16 @@ def apply_fsdp(
 ) -> None:
     """Shard `model` (or one pipeline stage of it). A pipelined stage keeps its blocks gathered
     between forward and backward: resharding would all-gather again for every micro-batch."""
-    for block in getattr(model, plan.blocks).values():
+    blocks = list(getattr(model, plan.blocks).values())
+    for index, block in enumerate(blocks):
         # Activation checkpointing wraps the block; the plan names modules of the block itself.
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         units = [inner.get_submodule(path) for path in plan.block_fsdp_units(inner)]
+        # The backward starts with the last block right after its forward (only the head and
+        # the loss run between): resharding it would only all-gather the same parameters again.
+        reshard = not pipelined and index < len(blocks) - 1
         for unit in (*units, block):
-            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     # The root unit holds what is outside the blocks (for Llama embeddings, final norm and output
     # head); it is gathered for the whole step anyway, so it is not resharded after forward.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
