@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from kiln.model.transformer import canonical_name
+from kiln.parallel.grad_norms import squared_grad_norms
 
 
 def param_grad_norms(
@@ -22,19 +21,18 @@ def param_grad_norms(
 ) -> dict[str, float]:
     """{canonical parameter name: L2 norm of its whole gradient}, identical on every rank.
 
-    Sharded gradients are reduced over their mesh (one small collective per parameter); under
+    Sharded gradients are reduced over their mesh (one small collective for all of them); under
     pipeline parallel each stage's names are gathered over `pipeline_group`. `duplicates` (the
     last stage's copy of a tied embedding) are left out, as the global norm leaves them out."""
     skip = {id(p) for p in duplicates}
-    norms = {}
-    for part in model_parts:
-        for name, param in part.named_parameters():
-            if param.grad is None or id(param) in skip:
-                continue
-            norm = torch.linalg.vector_norm(param.grad, dtype=torch.float64)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            norms[canonical_name(name)] = norm.item()
+    named = [
+        (canonical_name(name), param.grad)
+        for part in model_parts
+        for name, param in part.named_parameters()
+        if param.grad is not None and id(param) not in skip
+    ]
+    squares = squared_grad_norms([grad for _, grad in named])
+    norms = dict(zip((name for name, _ in named), squares.sqrt().tolist(), strict=True))
     if pipeline_group is not None:
         gathered: list[dict[str, float]] = [{}] * dist.get_world_size(pipeline_group)
         dist.all_gather_object(gathered, norms, group=pipeline_group)
