@@ -10,7 +10,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,85 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEBUG_CONFIG
+from tests.distributed.launch import (
+    kiln_args,
+    log,
+    losses,
+    start_ranks,
+    wait_all,
+    wait_for_step,
+)
 from tests.distributed.workers import JobFailed, kiln_train
 
 PREEMPTED = 75
-
-
-def _args(run_dir: Path, demo_data: Path, *overrides: str) -> list[str]:
-    return [
-        str(DEBUG_CONFIG),
-        f"--data.path={demo_data}",
-        f"--metrics.run_dir={run_dir}",
-        "--metrics.log_interval=1",
-        "--metrics.plot=false",
-        "--train.seq_len=64",
-        "--checkpoint.save_final=false",
-        *overrides,
-    ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_ranks(nproc: int, args: list[str], logs: Path) -> list[subprocess.Popen]:
-    """`nproc` ranks of one job without a launcher, each logging to logs/rank_R.txt."""
-    logs.mkdir(parents=True, exist_ok=True)
-    common = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(nproc),
-    }
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "kiln", "train", *args],
-            env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=(logs / f"rank_{r}.txt").open("w"),
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(nproc)
-    ]
-
-
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"ranks still running after {timeout} s") from None
-    return codes
-
-
-def _wait_for_step(run_dir: Path, step: int, procs, timeout: float = 120) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metrics.is_file() and any(
-            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
-        ):
-            return
-        assert all(p.poll() is None for p in procs), "the job ended before the signal"
-        time.sleep(0.02)
-    raise AssertionError(f"step {step} never logged")
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
-
-
-def _log(logs: Path, rank: int = 0) -> str:
-    return (logs / f"rank_{rank}.txt").read_text()
 
 
 def test_signal_to_one_rank_stops_all_at_a_step_with_a_checkpoint_and_resumes_bitwise(
@@ -110,24 +41,24 @@ def test_signal_to_one_rank_stops_all_at_a_step_with_a_checkpoint_and_resumes_bi
         "--checkpoint.async_mode='async'",
     ]
     reference = tmp_path / "reference"
-    ref_procs = _start_ranks(2, _args(reference, demo_data, *overrides), tmp_path / "ref_logs")
-    assert _wait_all(ref_procs, 300) == [0, 0], _log(tmp_path / "ref_logs")
+    ref_procs = start_ranks(2, kiln_args(reference, demo_data, *overrides), tmp_path / "ref_logs")
+    assert wait_all(ref_procs, 300) == [0, 0], log(tmp_path / "ref_logs")
 
     run = tmp_path / "run"
-    procs = _start_ranks(2, _args(run, demo_data, *overrides), tmp_path / "logs")
-    _wait_for_step(run, 3, procs)
+    procs = start_ranks(2, kiln_args(run, demo_data, *overrides), tmp_path / "logs")
+    wait_for_step(run, 3, procs)
     procs[1].send_signal(signal.SIGUSR1)  # rank 0 is never told: it must learn it from rank 1
-    assert _wait_all(procs, 120) == [PREEMPTED, PREEMPTED], _log(tmp_path / "logs")
+    assert wait_all(procs, 120) == [PREEMPTED, PREEMPTED], log(tmp_path / "logs")
     stopped = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 3 <= stopped < steps
     # Rank 0 got no signal and learnt of it at the step boundary.
-    assert "stopped by a signal on another rank" in _log(tmp_path / "logs", 0)
-    assert f"code {PREEMPTED}" in _log(tmp_path / "logs", 0)
+    assert "stopped by a signal on another rank" in log(tmp_path / "logs", 0)
+    assert f"code {PREEMPTED}" in log(tmp_path / "logs", 0)
 
-    procs = _start_ranks(2, _args(run, demo_data, *overrides), tmp_path / "resume_logs")
-    assert _wait_all(procs, 300) == [0, 0], _log(tmp_path / "resume_logs")
-    assert f"resumed from {run / 'checkpoints'}" in _log(tmp_path / "resume_logs")
-    assert _losses(run) == _losses(reference)  # bitwise, every step
+    procs = start_ranks(2, kiln_args(run, demo_data, *overrides), tmp_path / "resume_logs")
+    assert wait_all(procs, 300) == [0, 0], log(tmp_path / "resume_logs")
+    assert f"resumed from {run / 'checkpoints'}" in log(tmp_path / "resume_logs")
+    assert losses(run) == losses(reference)  # bitwise, every step
 
 
 def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint(
@@ -140,14 +71,14 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
         f"--resilience.collective_timeout_s={timeout}",
     ]
     run = tmp_path / "run"
-    procs = _start_ranks(4, _args(run, demo_data, *overrides), tmp_path / "logs")
-    _wait_for_step(run, 3, procs)
+    procs = start_ranks(4, kiln_args(run, demo_data, *overrides), tmp_path / "logs")
+    wait_for_step(run, 3, procs)
     procs[2].kill()
     started = time.monotonic()
-    codes = _wait_all([procs[r] for r in (0, 1, 3)], timeout + 30)
+    codes = wait_all([procs[r] for r in (0, 1, 3)], timeout + 30)
     assert all(code != 0 for code in codes), codes
     assert time.monotonic() - started < timeout + 30
-    assert "a collective failed during step" in _log(tmp_path / "logs", 0)
+    assert "a collective failed during step" in log(tmp_path / "logs", 0)
 
     # The launcher's part: a rank dies, torchrun restarts the job, which resumes and finishes.
     run = tmp_path / "elastic"
@@ -161,7 +92,7 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
         "-m",
         "kiln",
         "train",
-        *_args(run, demo_data, "--train.max_steps=60", "--train.batch_size=1"),
+        *kiln_args(run, demo_data, "--train.max_steps=60", "--train.batch_size=1"),
         "--checkpoint.interval=2",
     ]
     launcher = subprocess.Popen(
@@ -171,14 +102,14 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
         stderr=subprocess.STDOUT,
         text=True,
     )
-    _wait_for_step(run, 5, [launcher])
+    wait_for_step(run, 5, [launcher])
     workers = _children(launcher.pid)
     assert len(workers) == 4
     os.kill(workers[1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output[-3000:]
     assert "kiln: resumed from" in output
-    assert max(_losses(run)) == 60
+    assert max(losses(run)) == 60
 
 
 def _children(pid: int) -> list[int]:
@@ -195,7 +126,7 @@ def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(gangs, tmp_
         "--resilience.nan_max_consecutive=2",
         "--resilience.nan_action='rollback'",
     ]
-    log, _ = gangs.run(2, kiln_train, _args(run, demo_data, *overrides))
+    log, _ = gangs.run(2, kiln_train, kiln_args(run, demo_data, *overrides))
     assert "step 3: non-finite loss" in log and "(1 in a row" in log
     assert "rolled back from step 8 to" in log and "step_00000004" in log
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -205,7 +136,7 @@ def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(gangs, tmp_
 
 
 def test_too_many_non_finite_steps_stop_the_job_with_a_message(gangs, tmp_path, demo_data):
-    args = _args(
+    args = kiln_args(
         tmp_path / "run",
         demo_data,
         "--train.max_steps=10",
