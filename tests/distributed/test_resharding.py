@@ -13,6 +13,12 @@ from tests.distributed.parity import GLOBAL_BATCH, assert_parity, records
 transformers = pytest.importorskip("transformers")
 
 SEGMENT = 2
+# Loss and global gradient norm keep the parity tolerance (1e-5) through all four layouts. The
+# per-parameter norms get 1e-3: rounding noise passes through three optimizer-state reloads and
+# Adam amplifies it on the rows and norm weights whose second moments are smallest (measured: 4e-6
+# at step 7, 2e-4 on layers.0.ffn_norm.weight at step 8, with loss and global norm within 4e-7).
+# A real mistake moves them by 10-45% (see test_mutations.py).
+CHAIN_PARAM_TOLERANCE = 1e-3
 LAYOUTS = [
     (4, ["--distributed.dp_shard=4"]),
     (4, ["--distributed.tp=2", "--distributed.dp_shard=2"]),
@@ -70,4 +76,9 @@ def test_checkpoints_move_through_four_layouts(tmp_path, train):
             assert f"kiln: resumed from {newest} (step {SEGMENT * index})" in outputs[0]
     moved_records = records(moved)
     assert sorted(moved_records) == list(range(1, steps + 1))
-    assert_parity(moved_records, records(one), steps=range(1, steps + 1))
+    assert_parity(
+        moved_records,
+        records(one),
+        steps=range(1, steps + 1),
+        param_tolerance=CHAIN_PARAM_TOLERANCE,
+    )
