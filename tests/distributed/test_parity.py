@@ -19,6 +19,7 @@ from tests.distributed.workers import free_port
 
 KV4 = ("--model.n_kv_heads=4",)  # tp=4 needs the KV heads to split four ways
 TIED = ("--model.tie_embeddings=true",)
+QK_NORM = ("--model.qk_norm=true",)  # per-head norm weights shared by heads split over tp
 
 LAYOUTS = {
     "dp_shard=2": (2, ["--distributed.dp_shard=2", "--train.batch_size=4"], ()),
@@ -60,6 +61,7 @@ LAYOUTS = {
     "tp=2": (2, ["--distributed.tp=2", "--train.batch_size=8"], ()),
     "tp=4": (4, ["--distributed.tp=4", "--train.batch_size=8"], KV4),
     "tp=2, tied embeddings": (2, ["--distributed.tp=2", "--train.batch_size=8"], TIED),
+    "tp=2 x dp_shard=2, qk_norm": (4, ["--distributed.tp=2", "--train.batch_size=4"], QK_NORM),
     "tp=2 x dp_shard=2": (4, ["--distributed.tp=2", "--train.batch_size=4"], ()),
     "tp=2 x dp_shard=2, full AC": (
         4,
