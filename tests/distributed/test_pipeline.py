@@ -25,9 +25,10 @@ L8 = ("--model.n_layers=8",)
 TIED2 = ("--model.n_layers=2", "--model.tie_embeddings=true")
 TIED4 = ("--model.n_layers=4", "--model.tie_embeddings=true")
 PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
-# Those ill-conditioned steps also move a few per-parameter norms of tied runs by just over 1e-5
-# (1.01e-5 measured on zbv); loss and global gradient norm keep 1e-5.
-TIED_PARAM_TOLERANCE = 3e-5
+# Those ill-conditioned steps also move the per-parameter norms of tied runs past 1e-5 (up to
+# 4.7e-5 measured on zbv, step 6, layers.0.attention.wk.weight); loss and global gradient norm
+# keep 1e-5, and a real mistake moves a per-parameter norm by 10% or more (test_mutations.py).
+TIED_PARAM_TOLERANCE = 1e-4
 M2 = "--distributed.pp_microbatches=2"
 MASKED = (*L8, "--data.document_mask=true")
 
