@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.distributed.launch import (
     env,
     kiln_args,
@@ -25,6 +27,7 @@ from tests.distributed.launch import (
 STEPS = 12
 # A cosine schedule over 12 steps: a resumed run that reshaped it would differ from step 7 on.
 COSINE = [f"--train.max_steps={STEPS}", "--scheduler.name=cosine", "--scheduler.warmup_steps=2"]
+COMMON = [*COSINE, "--train.batch_size=2", "--data.num_workers=0"]
 
 
 def _train(run_dir: Path, demo_data: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -37,46 +40,52 @@ def _train(run_dir: Path, demo_data: Path, *overrides: str) -> subprocess.Comple
     )
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo_data) -> dict[int, float]:
+    """The per-step losses of the run that never stops, which every stopped run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    result = _train(run_dir, demo_data, *COMMON)
+    assert result.returncode == 0, result.stderr
+    return losses(run_dir)
+
+
 def _latest(run_dir: Path) -> str:
     return (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
 def test_stop_at_step_ends_with_a_checkpoint_and_the_same_command_continues_bitwise(
-    tmp_path, demo_data
+    tmp_path, demo_data, uninterrupted
 ):
-    common = [*COSINE, "--train.batch_size=2", "--data.num_workers=0"]
-    reference = _train(tmp_path / "reference", demo_data, *common)
-    assert reference.returncode == 0, reference.stderr
 
     run = tmp_path / "run"
-    first = _train(run, demo_data, *common, "--train.stop_at_step=6")
+    first = _train(run, demo_data, *COMMON, "--train.stop_at_step=6")
     assert first.returncode == 0, first.stderr
     assert "stopped after step 6 of 12 (train.stop_at_step)" in first.stderr
     assert _latest(run) == "step_00000006"
-    rest = _train(run, demo_data, *common)
+    rest = _train(run, demo_data, *COMMON)
     assert rest.returncode == 0, rest.stderr
     assert "resumed from" in rest.stdout and "(step 6)" in rest.stdout
-    assert losses(run) == losses(tmp_path / "reference")  # every step, bit for bit
+    assert losses(run) == uninterrupted  # every step, bit for bit
 
-    again = _train(run, demo_data, *common, "--train.stop_at_step=3")
+    again = _train(run, demo_data, *COMMON, "--train.stop_at_step=3")
     assert again.returncode == 2
     assert "train.stop_at_step = 3 but this run resumes at step 10" in again.stderr
 
 
-def test_a_time_limit_stops_with_a_checkpoint_and_the_run_continues_bitwise(tmp_path, demo_data):
+def test_a_time_limit_stops_with_a_checkpoint_and_the_run_continues_bitwise(
+    tmp_path, demo_data, uninterrupted
+):
     """A limit already spent at the first check (0.001 min, less than start-up takes) makes the
     stop step deterministic: the first step runs, then the job saves and exits 0."""
-    common = [*COSINE, "--train.batch_size=2", "--data.num_workers=0"]
-    reference = _train(tmp_path / "reference", demo_data, *common)
-    assert reference.returncode == 0, reference.stderr
+
     run = tmp_path / "run"
-    limited = _train(run, demo_data, *common, "--train.time_limit_minutes=0.001")
+    limited = _train(run, demo_data, *COMMON, "--train.time_limit_minutes=0.001")
     assert limited.returncode == 0, limited.stderr
     assert "stopped after step 1 of 12 (train.time_limit_minutes)" in limited.stderr
     assert _latest(run) == "step_00000001"
-    rest = _train(run, demo_data, *common)
+    rest = _train(run, demo_data, *COMMON)
     assert rest.returncode == 0, rest.stderr
-    assert losses(run) == losses(tmp_path / "reference")
+    assert losses(run) == uninterrupted
 
 
 def test_ctrl_c_saves_and_says_where_the_run_resumes(tmp_path, demo_data):
