@@ -244,6 +244,10 @@ def cmd_check(args) -> int:
     print(f"# world size {args.world_size}: " + " × ".join(f"{k}={v}" for k, v in layout.items()))
     print(f"# data-parallel ranks: {data_ranks}")
     print(f"# parameters: {params.total:,} ({params.non_embedding:,} non-embedding)")
+    if cfg.model.num_experts > 0:
+        print(
+            f"# active parameters per token: {params.active:,} (top-{cfg.model.moe_top_k} experts)"
+        )
     print(
         f"# FLOPs per token (fwd+bwd, seq_len {cfg.train.seq_len}): {flops_per_token(cfg.model, cfg.train.seq_len):.4g}"
     )

@@ -27,10 +27,49 @@ class ModelConfig:
     tie_embeddings: bool = False
     qk_norm: bool = False
     init_std: float = 0.02
+    # Mixture of Experts (num_experts = 0: dense). Block i is MoE when i >= moe_first_dense_layers
+    # and (i - moe_first_dense_layers) is a multiple of moe_frequency.
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_frequency: int = 1
+    moe_first_dense_layers: int = 0
+    # Hidden width of one expert (0: ffn_hidden_dim); shared experts are one SwiGLU of
+    # moe_shared_experts times that width, optionally behind a sigmoid gate (Qwen2-MoE).
+    moe_ffn_hidden_dim: int = 0
+    moe_shared_experts: int = 0
+    moe_shared_expert_gate: bool = False
+    # "softmax_topk" or "sigmoid" scores; the chosen experts' scores, renormalized to sum 1
+    # (moe_route_norm) and times moe_route_scale, weight their outputs.
+    moe_router: str = "softmax_topk"
+    moe_route_norm: bool = True
+    moe_route_scale: float = 1.0
+    # Group-limited routing (DeepSeek-V3): tokens only go to experts of their best topk_groups
+    # of n_groups groups.
+    moe_n_groups: int = 1
+    moe_topk_groups: int = 1
+    # Load balancing: Switch/GShard auxiliary loss, DeepSeek-V3 sequence-wise auxiliary loss,
+    # ST-MoE router z-loss, DeepSeek-V3 auxiliary-loss-free bias updates (0: off).
+    moe_aux_loss_weight: float = 0.0
+    moe_seq_aux_loss_weight: float = 0.0
+    moe_router_z_loss_weight: float = 0.0
+    moe_bias_update_rate: float = 0.0
+    # 0: dropless; > 0: an expert takes at most ceil(factor · tokens · top_k / num_experts)
+    # assignments, lower token indices first, and drops the rest.
+    moe_capacity_factor: float = 0.0
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.moe_ffn_hidden_dim or self.ffn_hidden_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has a Mixture-of-Experts feed-forward instead of a dense one."""
+        if self.num_experts <= 0 or self.moe_frequency <= 0 or layer < self.moe_first_dense_layers:
+            return False
+        return (layer - self.moe_first_dense_layers) % self.moe_frequency == 0
 
 
 @dataclass

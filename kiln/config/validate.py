@@ -12,6 +12,7 @@ from kiln.config.pipeline import (
     num_stages,
 )
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
+from kiln.config.validate_moe import moe_problems
 from kiln.errors import ConfigError
 
 CHOICES = {
@@ -92,7 +93,7 @@ def _model_problems(cfg: JobConfig) -> list[str]:
         p.append(f"model.rope_scaling = {m.rope_scaling!r} is not one of 'none', 'llama3'")
     elif m.rope_scaling == "llama3":
         p += _llama3_rope_problems(m)
-    return p
+    return p + moe_problems(cfg)
 
 
 def _llama3_rope_problems(m: ModelConfig) -> list[str]:
@@ -249,8 +250,8 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
         )
     if d.ep > 1:
         p.append(
-            "distributed.ep > 1 (expert parallel) needs a Mixture-of-Experts model, which this version "
-            "does not have; set distributed.ep = 1"
+            "distributed.ep > 1 (expert parallel) is not built in this version; set distributed.ep = 1 "
+            "(a Mixture-of-Experts model keeps every expert on each rank, sharded by FSDP)"
         )
     return p
 

@@ -11,7 +11,11 @@ from kiln.config.sections import ModelConfig
 class ParamCount:
     total: int
     embedding: int
-    matmul: int  # weights of every matrix multiply, output head included
+    # Weights of every matrix multiply one token goes through, output head included: with MoE,
+    # only its top-k routed experts (and the router and shared experts).
+    matmul: int
+    # Parameters one token uses: all but the routed experts it is not sent to (= total if dense).
+    active: int
 
     @property
     def non_embedding(self) -> int:
@@ -21,23 +25,37 @@ class ParamCount:
 def count_params(cfg: ModelConfig) -> ParamCount:
     d, hd = cfg.dim, cfg.head_dim
     attention = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
-    mlp = 3 * d * cfg.ffn_hidden_dim
+    dense_mlp = 3 * d * cfg.ffn_hidden_dim
     norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
     embedding = cfg.vocab_size * d
     head = cfg.vocab_size * d
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    dense_layers = cfg.n_layers - moe_layers
+    moe_total, moe_active = _moe_params(cfg)
+    layers_total = cfg.n_layers * (attention + norms) + dense_layers * dense_mlp
     total = (
-        embedding
-        + cfg.n_layers * (attention + mlp + norms)
-        + d
-        + (0 if cfg.tie_embeddings else head)
+        embedding + layers_total + moe_layers * moe_total + d + (0 if cfg.tie_embeddings else head)
     )
-    return ParamCount(
-        total=total, embedding=embedding, matmul=cfg.n_layers * (attention + mlp) + head
-    )
+    idle_experts = moe_layers * (moe_total - moe_active)
+    matmul = cfg.n_layers * attention + dense_layers * dense_mlp + moe_layers * moe_active + head
+    return ParamCount(total=total, embedding=embedding, matmul=matmul, active=total - idle_experts)
+
+
+def _moe_params(cfg: ModelConfig) -> tuple[int, int]:
+    """Parameters of one MoE feed-forward: all of them, and those one token uses. Every one of
+    them is a matmul weight (router, experts, shared experts and their gate)."""
+    if cfg.num_experts <= 0:
+        return 0, 0
+    d, expert = cfg.dim, 3 * cfg.dim * cfg.expert_hidden_dim
+    always = d * cfg.num_experts + cfg.moe_shared_experts * expert
+    if cfg.moe_shared_experts and cfg.moe_shared_expert_gate:
+        always += d
+    return always + cfg.num_experts * expert, always + cfg.moe_top_k * expert
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Forward + backward FLOPs per trained token: 6 per matmul weight plus causal attention.
+    """Forward + backward FLOPs per trained token: 6 per matmul weight a token goes through
+    (with MoE: its top-k experts, not all of them) plus causal attention.
 
     Attention scores and values cost 12·L·S·D per token without a mask; causal halves that.
     The embedding lookup is a gather, not a matmul, and is not counted.

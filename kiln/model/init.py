@@ -38,7 +38,14 @@ def init_std(cfg: ModelConfig, name: str) -> float:
         # Unit-scale embeddings put the residual stream at O(1) from the start; at init_std,
         # every Adam step would move them by a large fraction of their size.
         return 1.0
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(
+        (
+            "attention.wo.weight",
+            "feed_forward.w2.weight",
+            "feed_forward.shared_experts.w2.weight",
+            "feed_forward.experts.w2",
+        )
+    ):
         # Outputs written into the residual stream shrink with depth, so it does not grow.
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)
     return cfg.init_std

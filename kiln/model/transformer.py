@@ -13,17 +13,23 @@ from kiln.model.document_mask import DocumentMask, build_document_mask
 from kiln.model.feed_forward import FeedForward
 from kiln.model.init import fill_normal_, init_std
 from kiln.model.kv_cache import KVCache
+from kiln.model.moe.block import MoEFeedForward
 from kiln.model.parallel_plan import ParallelPlan, llama_plan
 from kiln.model.rope import model_rope_tables
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        # One attribute for both kinds, so parameter names read layers.{i}.feed_forward.*.
+        self.feed_forward = (
+            MoEFeedForward(cfg)
+            if cfg.is_moe_layer(layer)
+            else FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        )
 
     def forward(
         self,
@@ -47,7 +53,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A dict keyed by layer index keeps parameter names stable when pipeline stages drop layers.
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         # Tied embeddings reuse tok_embeddings.weight in forward instead of sharing a Parameter,
         # which `to_empty` and sharding would silently untie.
@@ -95,9 +101,13 @@ class Transformer(nn.Module):
         return llama_plan(self.cfg)
 
     def init_buffers(self) -> None:
-        """Recompute the rotary tables (non-persistent buffers hold garbage after `to_empty`)."""
+        """Recompute the rotary tables and zero the MoE balancing state (buffers hold garbage
+        after `to_empty`)."""
         cos, sin = model_rope_tables(self.cfg, self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
+        for module in self.modules():
+            if isinstance(module, MoEFeedForward):
+                module.init_buffers()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -5,6 +5,7 @@ stop requests, background saves), then update with the scheduled learning rate o
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -16,6 +17,7 @@ from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
 from kiln.metrics.param_norms import param_grad_norms
 from kiln.model.document_mask import document_ids
+from kiln.model.moe import AuxLossScale, MoEFeedForward, set_aux_loss_scale, update_expert_biases
 from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
 from kiln.parallel.forward_backward import ForwardBackward
@@ -85,6 +87,9 @@ class TrainStep:
             and cfg.distributed.grad_reduce == "per_step"
             and not pipelined
         )
+        self.moe = any(
+            isinstance(m, MoEFeedForward) for part in model_parts for m in part.modules()
+        )
 
     def __call__(self, batch: StepBatch, *, step: int, flags: dict[str, bool]) -> StepResult:
         """Step number `step` (1-based) over `batch`; `flags` (stop, time_up, save_pending) are
@@ -95,6 +100,8 @@ class TrainStep:
         valid = sum(count_valid(labels) for _, labels in micro_batches)
         valid = sum_over(valid, self.parallel.data_group()).clamp(min=1)
         total = torch.zeros((), device=self.device)
+        if self.moe:
+            self._set_moe_normalization(micro_batches)
         for index, (inputs, labels) in enumerate(micro_batches):
             if self.defer_grad_reduce:
                 self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
@@ -120,6 +127,10 @@ class TrainStep:
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         agreed = any_rank({"non_finite": ~finite, **flags}, device=self.device)
         lr = self._update(step, skip=agreed["non_finite"])
+        if self.moe:  # a skipped step only restarts the expert load counts
+            rate = 0.0 if agreed["non_finite"] else self.cfg.model.moe_bias_update_rate
+            reduce = partial(sum_over, group=self.parallel.data_group())
+            update_expert_biases(self.model_parts, rate, all_reduce=reduce)
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         return StepResult(
             loss,
@@ -132,6 +143,20 @@ class TrainStep:
             save_written=not agreed["save_pending"],
             param_grad_norms=per_param,
         )
+
+    def _set_moe_normalization(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """MoE auxiliary losses are normalized over the whole step, like the main loss: by the
+        step's tokens and sequences on all data ranks (every token counts, masked or not)."""
+        ranks = self.parallel.data_ranks
+        tokens = sum(inputs.numel() for inputs, _ in micro_batches) * ranks
+        sequences = sum(inputs.shape[0] for inputs, _ in micro_batches) * ranks
+        scale = AuxLossScale(
+            per_token=self.grad_scale / tokens, per_sequence=self.grad_scale / sequences
+        )
+        for part in self.model_parts:
+            set_aux_loss_scale(part, scale)
 
     def _update(self, step: int, *, skip: bool) -> float:
         lr = (

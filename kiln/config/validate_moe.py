@@ -1,0 +1,127 @@
+"""Checks of the Mixture-of-Experts keys of [model]; `validate.py` adds them to its model checks."""
+
+from __future__ import annotations
+
+from kiln.config.sections import JobConfig, ModelConfig
+
+MOE_ROUTERS = ("softmax_topk", "sigmoid")
+# Keys that only mean something in an MoE model, with their dense (off) value.
+MOE_ONLY = {
+    "moe_shared_experts": 0,
+    "moe_shared_expert_gate": False,
+    "moe_aux_loss_weight": 0.0,
+    "moe_seq_aux_loss_weight": 0.0,
+    "moe_router_z_loss_weight": 0.0,
+    "moe_bias_update_rate": 0.0,
+}
+NON_NEGATIVE = (
+    "num_experts",
+    "moe_ffn_hidden_dim",
+    "moe_shared_experts",
+    "moe_first_dense_layers",
+    "moe_aux_loss_weight",
+    "moe_seq_aux_loss_weight",
+    "moe_router_z_loss_weight",
+    "moe_bias_update_rate",
+    "moe_capacity_factor",
+)
+
+
+def moe_problems(cfg: JobConfig) -> list[str]:
+    """Every problem with the MoE keys; none for a dense model that leaves them alone."""
+    m = cfg.model
+    p = [
+        f"model.{name} must be >= 0, got {getattr(m, name)}"
+        for name in NON_NEGATIVE
+        if getattr(m, name) < 0
+    ]
+    if m.moe_router not in MOE_ROUTERS:
+        p.append(
+            f"model.moe_router = {m.moe_router!r} is not one of {', '.join(map(repr, MOE_ROUTERS))}"
+        )
+    if m.num_experts <= 0:
+        return p + _dense_problems(m)
+    return p + _routing_problems(m) + _layer_problems(m) + _layout_problems(cfg)
+
+
+def _dense_problems(m: ModelConfig) -> list[str]:
+    return [
+        f"model.{name} = {_toml(getattr(m, name))} needs a Mixture-of-Experts model, but "
+        f"model.num_experts = {m.num_experts} (dense): set num_experts > 0 or leave {name} out"
+        for name, off in MOE_ONLY.items()
+        if getattr(m, name) != off
+    ]
+
+
+def _routing_problems(m: ModelConfig) -> list[str]:
+    p = []
+    if not 1 <= m.moe_top_k <= m.num_experts:
+        p.append(
+            f"model.moe_top_k = {m.moe_top_k} must be in [1, model.num_experts = {m.num_experts}]: "
+            "a token cannot use more experts than there are"
+        )
+    if m.moe_route_scale <= 0:
+        p.append(f"model.moe_route_scale must be positive, got {m.moe_route_scale}")
+    if m.moe_shared_expert_gate and m.moe_shared_experts == 0:
+        p.append(
+            "model.moe_shared_expert_gate = true gates the shared experts, but "
+            "model.moe_shared_experts = 0: set moe_shared_experts > 0 or the gate to false"
+        )
+    return p + _group_problems(m)
+
+
+def _group_problems(m: ModelConfig) -> list[str]:
+    """Group-limited routing: at most one problem, the first that makes the next meaningless."""
+    if m.moe_n_groups < 1 or m.moe_topk_groups < 1:
+        return [
+            f"model.moe_n_groups and model.moe_topk_groups must be >= 1 (1: no group limit), "
+            f"got {m.moe_n_groups} and {m.moe_topk_groups}"
+        ]
+    if m.num_experts % m.moe_n_groups:
+        divisors = [g for g in range(1, m.num_experts + 1) if m.num_experts % g == 0]
+        return [
+            f"model.moe_n_groups = {m.moe_n_groups} must divide model.num_experts = "
+            f"{m.num_experts} into equal groups; use one of {divisors}"
+        ]
+    if m.moe_topk_groups > m.moe_n_groups:
+        return [
+            f"model.moe_topk_groups = {m.moe_topk_groups} exceeds model.moe_n_groups = "
+            f"{m.moe_n_groups}: tokens cannot use more groups than there are; lower topk_groups"
+        ]
+    per_group = m.num_experts // m.moe_n_groups
+    # top_k > num_experts is reported on its own.
+    if m.num_experts >= m.moe_top_k > m.moe_topk_groups * per_group:
+        return [
+            f"model.moe_top_k = {m.moe_top_k} exceeds the {m.moe_topk_groups * per_group} experts "
+            f"a token can reach (moe_topk_groups × experts per group = {m.moe_topk_groups} × "
+            f"{per_group}); raise moe_topk_groups or lower moe_top_k"
+        ]
+    return []
+
+
+def _layer_problems(m: ModelConfig) -> list[str]:
+    if m.moe_frequency <= 0:
+        return [
+            f"model.moe_frequency must be >= 1 (every k-th block after the first dense ones is "
+            f"MoE), got {m.moe_frequency}"
+        ]
+    if m.n_layers > 0 and m.moe_first_dense_layers >= m.n_layers:
+        return [
+            f"model.moe_first_dense_layers = {m.moe_first_dense_layers} leaves no MoE block among "
+            f"model.n_layers = {m.n_layers}: lower it below n_layers, or set num_experts = 0 for a "
+            "dense model"
+        ]
+    return []
+
+
+def _layout_problems(cfg: JobConfig) -> list[str]:
+    if cfg.distributed.tp > 1:
+        return [
+            "model.num_experts > 0 with distributed.tp > 1 is not supported yet (no tensor-"
+            "parallel plan for MoE blocks); use distributed.tp = 1"
+        ]
+    return []
+
+
+def _toml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)

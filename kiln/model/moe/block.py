@@ -1,0 +1,117 @@
+"""The Mixture-of-Experts feed-forward: a router, routed experts and optional shared experts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.config.sections import ModelConfig
+from kiln.model.feed_forward import FeedForward
+from kiln.model.moe.balancing import (
+    AuxLossScale,
+    attach_aux_loss,
+    load_balance_sum,
+    normalized_scores,
+    router_z_sum,
+    sequence_balance_sum,
+)
+from kiln.model.moe.dispatch import LocalDispatcher
+from kiln.model.moe.experts import GroupedExperts
+from kiln.model.moe.router import Router, RouterOutput
+
+
+class MoEFeedForward(nn.Module):
+    """out = Σ_k weight_k · expert_k(x) + [sigmoid(shared_gate(x)) ·] shared_experts(x).
+
+    After each forward `aux_losses` holds the detached, unweighted balancing losses of that
+    forward normalized by its own tokens and sequences (the papers' values), for logging.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        experts, hidden = cfg.num_experts, cfg.expert_hidden_dim
+        self.router = Router(
+            cfg.dim,
+            experts,
+            cfg.moe_top_k,
+            score_func=cfg.moe_router,
+            route_norm=cfg.moe_route_norm,
+            route_scale=cfg.moe_route_scale,
+            n_groups=cfg.moe_n_groups,
+            topk_groups=cfg.moe_topk_groups,
+        )
+        self.dispatcher = LocalDispatcher(experts, cfg.moe_top_k, cfg.moe_capacity_factor)
+        self.experts = GroupedExperts(experts, cfg.dim, hidden)
+        shared = cfg.moe_shared_experts * hidden
+        self.shared_experts = FeedForward(cfg.dim, shared) if shared else None
+        gated = shared > 0 and cfg.moe_shared_expert_gate
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if gated else None
+        self.aux_weights = {
+            "load_balance": cfg.moe_aux_loss_weight,
+            "seq_balance": cfg.moe_seq_aux_loss_weight,
+            "router_z": cfg.moe_router_z_loss_weight,
+        }
+        # Set from outside (see `set_aux_loss_scale`); shared by every MoE block of a model.
+        self.aux_scale = AuxLossScale()
+        self.aux_losses: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (batch, seq, dim) -> (batch, seq, dim)."""
+        tokens = x.flatten(0, -2)
+        route = self.router(tokens)
+        rows, per_expert, state = self.dispatcher.dispatch(tokens, route.indices)
+        out = self.dispatcher.combine(self.experts(rows, per_expert), route.weights, state)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(tokens))
+            out = out + shared
+        out = out.view_as(x)
+        aux_loss = self._aux_loss(route, x.shape)
+        if aux_loss is not None and torch.is_grad_enabled():
+            out = attach_aux_loss(out, aux_loss)
+        return out
+
+    def _aux_loss(self, route: RouterOutput, shape: torch.Size) -> torch.Tensor | None:
+        """The weighted, step-normalized total of the enabled losses; records all of them."""
+        sums = self._loss_sums(route, sequences=shape[0])
+        tokens, sequences = route.indices.shape[0], shape[0]
+        own = {"load_balance": tokens, "seq_balance": sequences, "router_z": tokens}
+        self.aux_losses = {name: value.detach() / own[name] for name, value in sums.items()}
+        given = {
+            "load_balance": self.aux_scale.per_token,
+            "seq_balance": self.aux_scale.per_sequence,
+            "router_z": self.aux_scale.per_token,
+        }
+        terms = [
+            weight * sums[name] * (given[name] if given[name] is not None else 1.0 / own[name])
+            for name, weight in self.aux_weights.items()
+            if weight > 0
+        ]
+        return sum(terms[1:], terms[0]) if terms else None
+
+    def _loss_sums(self, route: RouterOutput, *, sequences: int) -> dict[str, torch.Tensor]:
+        probs = normalized_scores(route.scores)
+        counts = route.counts
+        # Counts over a larger group cost a collective: only for a loss that is on.
+        if self.aux_scale.reduce_counts is not None and self.aux_weights["load_balance"] > 0:
+            counts = self.aux_scale.reduce_counts(counts)
+        experts, top_k = probs.shape[-1], route.indices.shape[-1]
+        return {
+            "load_balance": load_balance_sum(probs, counts),
+            "seq_balance": sequence_balance_sum(
+                probs.view(sequences, -1, experts), route.indices.view(sequences, -1, top_k)
+            ),
+            "router_z": router_z_sum(route.logits),
+        }
+
+    def init_buffers(self) -> None:
+        self.router.init_buffers()
+
+
+def set_aux_loss_scale(model: nn.Module, scale: AuxLossScale) -> None:
+    """Use `scale` for the auxiliary losses of every MoE block of `model` from the next forward."""
+    for module in model.modules():
+        if isinstance(module, MoEFeedForward):
+            module.aux_scale = scale

@@ -1,0 +1,82 @@
+"""The routed experts: one SwiGLU per expert, their weights stacked into 3-D parameters.
+
+Tokens arrive sorted by expert with the count of each, and each expert multiplies its own
+contiguous rows. `torch._grouped_mm` does all experts in one call; where it does not apply
+(other dtypes, rows not 16-byte aligned) an explicit loop over the experts does the same.
+
+What `torch._grouped_mm` is in torch 2.13. On CPU: a C++ loop calling `mm` on each group's
+rows (`_grouped_mm_fallback`), so it equals the Python loop bit for bit, forward and backward
+(tested). On CUDA, read from the torch source and not run here (no GPU): a grouped kernel for
+bf16 on sm90/sm100, the same per-group loop otherwise. It wants int32 end offsets,
+fp32/bf16/fp16 operands of one dtype (not fp64) and row strides that are multiples of 16 bytes;
+it does not autocast, so the compute dtype is chosen here. Under torch.compile its meta kernel
+accepts bf16 only, so compiled fp32 experts take the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GroupedExperts(nn.Module):
+    """w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden); expert e computes
+    w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x)), like `FeedForward`'s w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, use_grouped_mm: bool = True):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        # False: always the per-expert loop (a reference, or a kernel to compare against).
+        self.use_grouped_mm = use_grouped_mm
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x (tokens, dim) sorted by expert, tokens_per_expert (experts,) -> (tokens, dim)."""
+        dtype = compute_dtype(x)
+        x = x.to(dtype)
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        if self.use_grouped_mm and grouped_mm_applies(x, w1, w2):
+            return _grouped(x, w1, w3, w2, tokens_per_expert)
+        return _looped(x, w1, w3, w2, tokens_per_expert)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on (grouped_mm ignores autocast), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` accepts these operands: a supported dtype and rows of the
+    tokens, the hidden activations and the (transposed) weights aligned to 16 bytes."""
+    if x.dtype not in GROUPED_MM_DTYPES or not x.is_contiguous():
+        return False
+    # torch.compile traces with the op's meta kernel, which accepts bf16 only.
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
+    alignment = 16 // x.element_size()
+    dim, hidden = w2.shape[1], w1.shape[1]
+    return dim % alignment == 0 and hidden % alignment == 0 and w1.is_contiguous()
+
+
+def _grouped(x, w1, w3, w2, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    h1 = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+    h3 = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offsets)
+
+
+def _looped(x, w1, w3, w2, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    # Every expert runs, an empty one on zero rows, so that each gets a gradient (zeros) even
+    # when no token reached it.
+    outputs, start = [], 0
+    for expert, count in enumerate(tokens_per_expert.tolist()):
+        rows = x[start : start + count]
+        h = F.silu(rows @ w1[expert].transpose(0, 1)) * (rows @ w3[expert].transpose(0, 1))
+        outputs.append(h @ w2[expert].transpose(0, 1))
+        start += count
+    return torch.cat(outputs)
