@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=cmd_generate)
 
     convert = sub.add_parser(
-        "convert", help="convert between Hugging Face Llama and kiln checkpoints"
+        "convert",
+        help="convert between Hugging Face (Llama, Mixtral, Qwen3-MoE) and kiln checkpoints",
     )
     direction = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     hf_to_kiln = direction.add_parser(
@@ -169,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     hf_to_kiln.add_argument("source", help="Hugging Face model directory")
     hf_to_kiln.add_argument("output", help="new kiln checkpoint directory")
     kiln_to_hf = direction.add_parser(
-        "kiln-to-hf", help="kiln checkpoint -> HF LlamaForCausalLM directory"
+        "kiln-to-hf",
+        help="kiln checkpoint -> HF directory (Llama; MoE: Qwen3-MoE with qk_norm, else Mixtral)",
     )
     kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
     kiln_to_hf.add_argument("output", help="new Hugging Face model directory")
