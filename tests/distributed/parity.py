@@ -1,5 +1,5 @@
 """Helpers for parity runs (DESIGN §5): `kiln train` jobs on CPU with gloo, fp32, the debug model,
-10 steps, the same global batch of 8 sequences, compared with one process step by step: the loss,
+10 steps, the same global batch of 8 sequences of 64 tokens, compared with one process step by step: the loss,
 the global gradient norm and every parameter's gradient norm. Gradient clipping at 0.5 is active
 most steps, so the clipped update is compared too. The jobs run on gangs (workers.py)."""
 
@@ -33,6 +33,12 @@ def train_args(run_dir, demo_data, *overrides, steps=STEPS):
         "--metrics.param_grad_norms=true",
         "--metrics.plot=false",
         "--train.grad_clip_norm=0.5",
+        # Half the debug recipe's sequence: the layouts split heads, layers, batches and
+        # parameters, none of which this shortens, and each step costs half as much.
+        "--train.seq_len=64",
+        # The loader's order does not depend on its worker process (tests/unit/test_loader.py);
+        # each job starting and stopping one per rank costs more than its ten steps of reading.
+        "--data.num_workers=0",
         # Saving costs a quarter of a job; the runs that are resumed from ask for it (SAVE).
         "--checkpoint.interval=0",
         "--checkpoint.save_final=false",
