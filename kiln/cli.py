@@ -207,15 +207,18 @@ def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 
 def cmd_train(args) -> int:
-    import torch.distributed as dist
-
     from kiln.config import load_config
-    from kiln.resilience.preemption import Preempted
-    from kiln.train.trainer import Trainer
 
+    # The config is checked before torch is imported: a mistake in it is reported at once,
+    # not after the seconds that importing the training stack takes.
     cfg = load_config(
         args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1"))
     )
+    import torch.distributed as dist
+
+    from kiln.resilience.preemption import Preempted
+    from kiln.train.trainer import Trainer
+
     try:
         Trainer(cfg).train()
     except Preempted as stop:
@@ -231,12 +234,14 @@ def cmd_train(args) -> int:
 
 def cmd_check(args) -> int:
     from kiln.config import load_config, resolve_layout, to_toml
+
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    # As in `kiln train`: a config mistake is reported before torch is imported.
     from kiln.metrics.memory import estimate_memory
     from kiln.model import count_params, flops_per_token
     from kiln.parallel.pipeline_split import pipeline_summary
     from kiln.train.preflight import preflight
 
-    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     layout = resolve_layout(cfg.distributed, args.world_size)
     params = count_params(cfg.model)
     data_ranks = layout["dp_replicate"] * layout["dp_shard"] * layout["ep"]

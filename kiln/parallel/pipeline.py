@@ -13,14 +13,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import JobConfig
@@ -35,12 +27,14 @@ from kiln.parallel.pipeline_split import (
     stages_of_rank,
 )
 
+# Schedule class names in torch.distributed.pipelining. That package imports torch._dynamo (half
+# a second per process): it is imported when a pipeline is built, not by every run.
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
 
 
@@ -73,15 +67,17 @@ def build_schedule(
 ):
     """The configured schedule over this rank's stages. `loss_fn` returns the already normalized
     loss of one micro-batch, so the schedule must not rescale gradients (scale_grads=False)."""
+    from torch.distributed import pipelining
+
     dist_cfg = cfg.distributed
     group = parallel.mesh["pp"].get_group()
     stages = [
-        PipelineStage(part, stage, num_stages(dist_cfg), parallel.device, group=group)
+        pipelining.PipelineStage(part, stage, num_stages(dist_cfg), parallel.device, group=group)
         for part, stage in zip(
             parts, stages_of_rank(dist_cfg, parallel.mesh.get_local_rank("pp")), strict=True
         )
     ]
-    schedule_class = SCHEDULES[dist_cfg.pp_schedule]
+    schedule_class = getattr(pipelining, SCHEDULES[dist_cfg.pp_schedule])
     return schedule_class(
         stages[0] if len(stages) == 1 and dist_cfg.pp_schedule in ("gpipe", "1f1b") else stages,
         n_microbatches=microbatches(dist_cfg, cfg.train.batch_size),
