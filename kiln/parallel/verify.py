@@ -87,12 +87,15 @@ def verify(cfg: JobConfig, world_size: int, *, steps: int, data_path: str) -> bo
             cfg, world_size, steps=steps, run_dir=Path(tmp) / "layout", data_path=data_path
         )
         twin = single_process_twin(proxy, world_size)
-        layout = _train(proxy, world_size, Path(tmp))
-        reference = _train(twin, 1, Path(tmp))
+        # Both runs at once: the one-process run needs no GPU and no peer, and its start-up
+        # (importing torch) overlaps the layout's.
+        started = [_start(proxy, world_size, Path(tmp)), _start(twin, 1, Path(tmp))]
+        finished = [(*run, *run[2].communicate()) for run in started]
+        layout, reference = [_records(*run) for run in finished]
     return _report(layout, reference, proxy, world_size)
 
 
-def _train(cfg: JobConfig, nproc: int, tmp: Path) -> dict[int, dict]:
+def _start(cfg: JobConfig, nproc: int, tmp: Path) -> tuple[str, JobConfig, subprocess.Popen]:
     recipe = tmp / f"{Path(cfg.metrics.run_dir).name}.toml"
     recipe.write_text(to_toml(cfg))
     launcher = (
@@ -101,11 +104,15 @@ def _train(cfg: JobConfig, nproc: int, tmp: Path) -> dict[int, dict]:
         else []
     )
     command = [sys.executable, *launcher, "-m", "kiln", "train", str(recipe)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise KilnError(
-            f"the {'layout' if nproc > 1 else 'one-process'} run failed:\n{_tail(result)}"
-        )
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return ("layout" if nproc > 1 else "one-process"), cfg, process
+
+
+def _records(
+    which: str, cfg: JobConfig, process: subprocess.Popen, stdout: str, stderr: str
+) -> dict[int, dict]:
+    if process.returncode != 0:
+        raise KilnError(f"the {which} run failed:\n{_tail(stdout, stderr)}")
     lines = (Path(cfg.metrics.run_dir) / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
 
@@ -141,9 +148,9 @@ def _report(
     return ok
 
 
-def _tail(result: subprocess.CompletedProcess) -> str:
+def _tail(stdout: str, stderr: str) -> str:
     """The lines that say what went wrong: kiln's own error, else the exception, else the end."""
-    lines = (result.stdout + result.stderr).strip().splitlines()
+    lines = (stdout + stderr).strip().splitlines()
     for marker in ("error:", "Error:"):
         found = [line for line in lines if marker in line and "elastic" not in line]
         if found:
