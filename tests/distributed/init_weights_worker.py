@@ -1,6 +1,5 @@
-"""Run under torchrun: build the debug model in a layout, gather its initial full weights, save them."""
-
-import sys
+"""A gang job (workers.py): build the debug model in a layout, gather its initial full weights on
+rank 0 and save them."""
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,7 @@ from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.mesh import init_parallel
 
 
-def main(config: str, out: str, *overrides: str) -> None:
+def gather_initial_weights(config: str, out: str, *overrides: str) -> None:
     cfg = load_config(config, list(overrides))
     parallel = init_parallel(cfg.distributed, torch.device("cpu"))
     full = {}
@@ -28,7 +27,3 @@ def main(config: str, out: str, *overrides: str) -> None:
     if parallel.is_main:
         torch.save({name: t for stage in gathered for name, t in stage.items()}, out)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

@@ -1,18 +1,12 @@
 """The initial full weights are identical in every layout (DESIGN §4)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kiln.config import load_config
 from kiln.model import build_model, materialize
 from tests.conftest import DEBUG_CONFIG
-
-WORKER = Path(__file__).with_name("init_weights_worker.py")
+from tests.distributed.init_weights_worker import gather_initial_weights
 
 
 @pytest.mark.parametrize(
@@ -34,23 +28,9 @@ WORKER = Path(__file__).with_name("init_weights_worker.py")
         "pp=2",
     ],
 )
-def test_initial_weights_do_not_depend_on_the_layout(nproc, layout, tmp_path):
+def test_initial_weights_do_not_depend_on_the_layout(nproc, layout, tmp_path, gangs):
     out = tmp_path / "weights.pt"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(WORKER),
-        str(DEBUG_CONFIG),
-        str(out),
-        *layout,
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    gangs.run(nproc, gather_initial_weights, str(DEBUG_CONFIG), str(out), *layout)
     gathered = torch.load(out)
     cfg = load_config(DEBUG_CONFIG, [arg for arg in layout if arg.startswith("--model.")])
     single = materialize(build_model(cfg.model), device="cpu", seed=cfg.train.seed).state_dict()
