@@ -16,6 +16,7 @@ global sample.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -239,7 +240,11 @@ class _Plans:
     """The sampler: yields step plans from the loader's current state, advancing a copy of it."""
 
     def __init__(self, loader: BatchLoader):
-        self.loader = loader
+        # A weak reference: the loader holds the DataLoader iterator, which holds this sampler's
+        # generator. A strong one would make a cycle that only the garbage collector frees, in
+        # an order that can close the worker queues before the iterator tells the workers to
+        # stop: each worker then waits out DataLoader's 5 s timeout before it is killed.
+        self.loader = weakref.proxy(loader)
 
     def __iter__(self) -> Iterator[dict]:
         state = self.loader._state

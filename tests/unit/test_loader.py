@@ -257,3 +257,15 @@ def test_a_checkpoint_of_another_shuffle_is_refused(datasets):
     )
     unshuffled.load_state_dict(legacy)
     assert unshuffled.next_step().sample_ids[0][0] == state["samples_seen"]
+
+
+def test_dropping_a_loader_mid_run_stops_its_workers_at_once(datasets):
+    """Nothing but the loader holds its DataLoader iterator: dropping the loader shuts the
+    workers down right away, not when the garbage collector gets to a reference cycle (in an
+    order that left each worker waiting out DataLoader's 5 s timeout)."""
+    ld = loader(datasets, mixture(), num_workers=2, prefetch_steps=3)
+    ld.next_step()
+    workers = list(ld._batches._workers)
+    assert all(worker.is_alive() for worker in workers)
+    del ld
+    assert not any(worker.is_alive() for worker in workers)
