@@ -261,10 +261,16 @@ def cmd_check(args) -> int:
     print(
         f"# global batch: {global_batch} sequences = {global_batch * cfg.train.seq_len:,} tokens per step"
     )
+    # MoE: every expert has weights, gradients and moments; a token's activations are its top k's.
+    experts = (
+        (f" of all {cfg.model.num_experts} experts", f"top-{cfg.model.moe_top_k} experts, ")
+        if cfg.model.num_experts > 0
+        else ("", "")
+    )
     print(
         f"# memory per GPU (estimate): {memory.total / 2**30:.1f} GiB = model state {memory.model_state / 2**30:.1f} GiB"
-        f" (fp32 weights, grads, AdamW) + activations {memory.activations / 2**30:.1f} GiB"
-        f" (activation_checkpointing = {cfg.train.activation_checkpointing!r})"
+        f" (fp32 weights, grads, AdamW{experts[0]}) + activations {memory.activations / 2**30:.1f} GiB"
+        f" ({experts[1]}activation_checkpointing = {cfg.train.activation_checkpointing!r})"
     )
     if layout["pp"] > 1:
         print(f"# pipeline: {pipeline_summary(cfg)}")

@@ -1,11 +1,14 @@
 """Back-of-the-envelope memory per GPU for `kiln check`: model state plus activations.
 
 Model state: fp32 weights, gradients and two AdamW moments (16 bytes per parameter), divided
-over every dimension that shards parameters (dp_shard, cp, tp, pp).
+over every dimension that shards parameters (dp_shard, cp, tp, pp). With MoE every expert
+counts: a token uses only its top-k, but every expert has weights, gradients and moments.
 Activations, bf16, per transformer layer and micro-batch (Korthikanti et al. 2022, with flash
 attention so no seq² term, sequence parallel dividing everything by tp): ~34·s·b·d bytes kept
 for backward without checkpointing, 2·s·b·d (the block input) with it; a checkpointed run
 also holds one layer's full activations while recomputing. Plus fp32 logits and their gradient.
+An MoE block keeps the dense estimate's attention and norms and replaces its feed-forward share
+by what kiln's MoE feed-forward saves for backward (`moe_ffn_bytes_per_token`).
 Under pipeline parallel: the layers of one rank, for as many micro-batches as its schedule keeps
 in flight (docs/pipeline.md).
 It is an estimate for choosing a layout, not a promise: allocator slack is not included.
@@ -16,9 +19,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.config.sections import JobConfig
+from kiln.config.sections import JobConfig, ModelConfig
 from kiln.model.flops import count_params
 from kiln.parallel.pipeline_split import in_flight_microbatches, microbatches
+
+# Korthikanti et al.'s 34 bytes per token and dim of a layer: 19 of them are the feed-forward's,
+# the other 15 attention and norms, which an MoE block has too.
+DENSE_LAYER_BYTES = 34
+DENSE_FFN_BYTES = 19
+CHECKPOINTED_LAYER_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,32 @@ class MemoryEstimate:
         return self.model_state + self.activations
 
 
+def moe_ffn_bytes_per_token(m: ModelConfig) -> float:
+    """Bytes one token's pass through an MoE feed-forward keeps for backward, bf16 compute.
+
+    Counted from what kiln/model/moe saves (measured with saved-tensor hooks in
+    tests/unit/test_memory.py): for each of the top-k copies of the token, its dispatched row,
+    the expert's output and its slot in the combine buffer (3 rows of dim, bf16) and the expert's
+    four hidden activations (w1 and w3 outputs, silu, their product: 4 rows of the expert width,
+    bf16), plus its sort position, expert index (int64) and weight (fp32); per token the fp32
+    copy of the input the router's gate runs on, and three fp32 score rows over all experts
+    (logits, scores, normalized scores); the shared experts like a dense SwiGLU of their width.
+    """
+    d, k, experts = m.dim, m.moe_top_k, m.num_experts
+    per_copy = 2 * (3 * d + 4 * m.expert_hidden_dim) + 8 + 8 + 4
+    router = 4 * d + 3 * 4 * experts
+    shared_width = m.moe_shared_experts * m.expert_hidden_dim
+    shared = 2 * (2 * d + 4 * shared_width) if shared_width else 0
+    return k * per_copy + router + shared
+
+
+def layer_bytes_per_token(m: ModelConfig, *, moe: bool) -> float:
+    """Activation bytes one token keeps in one layer without checkpointing."""
+    if not moe:
+        return DENSE_LAYER_BYTES * m.dim
+    return (DENSE_LAYER_BYTES - DENSE_FFN_BYTES) * m.dim + moe_ffn_bytes_per_token(m)
+
+
 def estimate_memory(cfg: JobConfig, degrees: dict[str, int]) -> MemoryEstimate:
     m, t = cfg.model, cfg.train
     shards = degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
@@ -39,12 +74,23 @@ def estimate_memory(cfg: JobConfig, degrees: dict[str, int]) -> MemoryEstimate:
     n_micro = microbatches(cfg.distributed, t.batch_size) if degrees["pp"] > 1 else 1
     in_flight = in_flight_microbatches(cfg.distributed, n_micro)
     tokens = t.seq_len * t.batch_size / n_micro / degrees["cp"]
-    full_layer = 34 * tokens * m.dim / degrees["tp"]
-    checkpointed_layer = 2 * tokens * m.dim / degrees["tp"]
+    # Sequence parallel: each tp rank keeps its own seq_len / tp tokens (MoE blocks included:
+    # a tp rank routes only its sequence shard).
+    per_rank = tokens / degrees["tp"]
+    dense_layer = layer_bytes_per_token(m, moe=False) * per_rank
+    moe_layer = layer_bytes_per_token(m, moe=True) * per_rank
+    checkpointed_layer = CHECKPOINTED_LAYER_BYTES * m.dim * per_rank
     layers = math.ceil(m.n_layers / degrees["pp"])
-    kept = {"none": 0, "full": layers, "selective": (layers + 1) // 2}[t.activation_checkpointing]
-    activations = in_flight * (kept * checkpointed_layer + (layers - kept) * full_layer) + (
-        full_layer if kept else 0
-    )
+    checkpointed = {"none": 0, "full": layers, "selective": (layers + 1) // 2}[
+        t.activation_checkpointing
+    ]
+    # Which layers a rank holds and which of them are checkpointed is not worked out here: the
+    # worst case is assumed, the rank holding as many MoE layers as there are and the biggest
+    # layers being the ones that are not checkpointed.
+    moe_layers = min(layers, sum(m.is_moe_layer(i) for i in range(m.n_layers)))
+    sizes = sorted([moe_layer] * moe_layers + [dense_layer] * (layers - moe_layers), reverse=True)
+    per_micro_batch = checkpointed * checkpointed_layer + sum(sizes[: layers - checkpointed])
+    recompute = sizes[0] if checkpointed else 0
+    activations = in_flight * per_micro_batch + recompute
     logits = 2 * 4 * tokens * m.vocab_size / degrees["tp"]  # fp32 logits and their gradient
     return MemoryEstimate(model_state=model_state, activations=activations + logits)

@@ -1,6 +1,13 @@
+"""kiln check's memory estimate: checkpointing, sharding, and MoE (every expert's weights,
+the top-k experts' activations)."""
+
+import pytest
+import torch
+
 from kiln.config import JobConfig, ModelConfig
-from kiln.metrics.memory import estimate_memory
+from kiln.metrics.memory import estimate_memory, layer_bytes_per_token, moe_ffn_bytes_per_token
 from kiln.model import count_params
+from kiln.model.moe import MoEFeedForward
 
 ONE = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
 
@@ -32,3 +39,96 @@ def test_model_state_is_sharded_over_every_parameter_splitting_dim():
     assert whole == 16 * count_params(cfg.model).total
     split = estimate_memory(cfg, {**ONE, "dp_shard": 4, "tp": 2, "dp_replicate": 3}).model_state
     assert split == whole / 8
+
+
+MOE = dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=256)
+
+
+def moe_job(ac: str = "none", **model) -> JobConfig:
+    cfg = job(ac)
+    for key, value in {**MOE, **model}.items():
+        setattr(cfg.model, key, value)
+    return cfg
+
+
+def test_moe_model_state_counts_every_expert():
+    small, big = moe_job(), moe_job(num_experts=16)
+    assert estimate_memory(small, ONE).model_state == 16 * count_params(small.model).total
+    added = 8 * 8 * 3 * 512 * 256 + 8 * 8 * 512  # 8 layers × 8 more experts, and their router rows
+    assert estimate_memory(big, ONE).model_state - estimate_memory(small, ONE).model_state == (
+        16 * added
+    )
+
+
+def test_moe_activations_grow_with_top_k_not_with_the_number_of_experts():
+    tokens, layers = 2048, 8
+    base = estimate_memory(moe_job(), ONE).activations
+    more_experts = estimate_memory(moe_job(num_experts=16), ONE).activations
+    # Only the router's three fp32 score rows grow with the experts.
+    assert more_experts - base == layers * tokens * 3 * 4 * 8
+    top4 = estimate_memory(moe_job(moe_top_k=4), ONE).activations
+    per_copy = 2 * (3 * 512 + 4 * 256) + 8 + 8 + 4  # rows in/out/combined, 4 hidden, index, weight
+    assert top4 - base == layers * tokens * 2 * per_copy
+
+
+def test_moe_blocks_after_dense_ones_and_checkpointing():
+    first_dense = moe_job("none", moe_first_dense_layers=2)
+    dense_layer, moe_layer = (layer_bytes_per_token(first_dense.model, moe=m) for m in (0, 1))
+    tokens, logits = 2048, 8 * 2048 * 1000
+    none = estimate_memory(first_dense, ONE).activations
+    assert none == tokens * (2 * dense_layer + 6 * moe_layer) + logits
+    full = estimate_memory(moe_job("full", moe_first_dense_layers=2), ONE).activations
+    # Every block keeps its input, and one block (an MoE one, the bigger) is being recomputed.
+    assert full == tokens * (8 * 2 * 512 + moe_layer) + logits
+
+
+def test_tensor_parallel_divides_moe_activations_by_the_sequence_shard():
+    whole = estimate_memory(moe_job(), ONE).activations
+    assert estimate_memory(moe_job(), {**ONE, "tp": 4}).activations == whole / 4
+
+
+def _saved_bytes(module: torch.nn.Module, tokens: int, dim: int) -> int:
+    """Bytes of the distinct tensors one forward saves for backward, parameters excluded."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(2, tokens // 2, dim, requires_grad=True)
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+    ):
+        module(x)
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return sum(size for ptr, size in storages.items() if ptr not in weights)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=128),
+        dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=128, moe_shared_experts=1),
+        dict(
+            dim=256,
+            num_experts=16,
+            moe_top_k=4,
+            moe_ffn_hidden_dim=64,
+            moe_router="sigmoid",
+            moe_aux_loss_weight=0.01,
+            moe_router_z_loss_weight=0.001,
+        ),
+    ],
+)
+def test_moe_ffn_estimate_matches_what_the_block_saves(model):
+    cfg = ModelConfig(**{"dim": 128, **model})
+    torch.manual_seed(0)
+    moe = MoEFeedForward(cfg)
+    for parameter in moe.parameters():
+        torch.nn.init.normal_(parameter, std=0.02)
+    moe.init_buffers()
+    # The difference between two token counts leaves what grows with the tokens.
+    per_token = (_saved_bytes(moe, 512, cfg.dim) - _saved_bytes(moe, 256, cfg.dim)) / 256
+    assert per_token == pytest.approx(moe_ffn_bytes_per_token(cfg), rel=0.02)
