@@ -9,8 +9,9 @@ figure is the median block:
 
 - MoE / dense: the MoE as configured (Switch load-balance loss and router z-loss) against a
   dense model whose SwiGLU is as wide as the MoE block's active weights (router, top-k experts,
-  shared experts): the same active parameters and FLOPs per token; also with batches
-  --batch-scales times larger, since the optimizer's share of a step shrinks with the tokens;
+  shared experts): the same active parameters and FLOPs per token. The optimizer's share of a
+  step shrinks with the tokens per step: the ratio at larger batches is derived from the two
+  parts (and --batch-scales measures it);
 - grouped_mm / per-expert loop: `GroupedExperts.use_grouped_mm`;
 - balancing: every balancing loss and the bias update off, against all on (Switch aux loss,
   z-loss, sequence-wise aux loss, aux-loss-free bias updates).
@@ -165,6 +166,17 @@ def table(title: str, runners: dict[str, Runner], tokens: int) -> None:
         print(f"{first} / {second}, {part}: {ratio:.3f}x")
 
 
+def extrapolate(pair: dict[str, Runner], tokens: int) -> None:
+    """The step ratio at larger batches, from this one's medians: forward+backward grows with
+    the tokens, the optimizer step does not (derived, not measured)."""
+    moe, dense = pair["moe"], pair["dense"]
+    for scale in (4, 16, 64):
+        ratio = (scale * moe.median_ms("fwd+bwd") + moe.median_ms("optimizer")) / (
+            scale * dense.median_ms("fwd+bwd") + dense.median_ms("optimizer")
+        )
+        print(f"derived for {scale * tokens} tokens per step: moe / dense, step: {ratio:.3f}x")
+
+
 # Pieces of the step timed under profiler labels of their own (their forward: backward runs in
 # autograd nodes, which the profile reports by node).
 PARTS = {
@@ -264,6 +276,7 @@ def run_size(name: str, args, device: torch.device) -> None:
             alternate(pair, steps, args.warmup if scale == 1 else 1, args.repeats)
             title = f"MoE against dense with the same active parameters, {tokens * scale} tokens"
             table(title, pair, tokens * scale)
+            extrapolate(pair, tokens * scale)
             if args.profile and scale == 1:
                 profile_pair(pair["moe"], pair["dense"])
     if "kernels" in args.compare:
@@ -290,7 +303,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["debug", "100m"], choices=list(SIZES))
     parser.add_argument("--tokens", type=int, default=0, help="tokens per step (0: per size)")
     parser.add_argument("--steps", type=int, default=0, help="steps per block (0: per size)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=0, help="steps (0: per size)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--compare", nargs="+", default=list(COMPARISONS), choices=list(COMPARISONS)
@@ -299,7 +312,7 @@ def main() -> None:
         "--batch-scales",
         nargs="+",
         type=int,
-        default=[1, 4],
+        default=[1],
         help="MoE/dense also with the batch this many times larger (fewer steps per block)",
     )
     parser.add_argument("--profile", action="store_true", help="profile the MoE and dense step")
@@ -311,7 +324,8 @@ def main() -> None:
     )
     for name in args.sizes:
         run = argparse.Namespace(**vars(args))
-        run.steps = args.steps or (10 if name == "debug" else 2)
+        run.steps = args.steps or (10 if name == "debug" else 1)
+        run.warmup = args.warmup or (2 if name == "debug" else 1)
         run_size(name, run, device)
 
 
