@@ -6,6 +6,12 @@ them over as a `ParallelPlan`: its blocks (the unit of pipeline splits, activati
 compile and FSDP), the tensor-parallel style of each module, the FSDP units inside a block, and
 which top-level modules belong to the first and the last pipeline stage. Plans that differ per
 block (a Mixture-of-Experts layer among dense ones) are functions of the block.
+
+Mixture-of-Experts blocks have no expert tensor parallel: the MoE feed-forward (router, routed
+and shared experts) takes the residual stream's local sequence shard and keeps its weights whole,
+so each tp rank routes and computes its own tokens. Those weights therefore see different tokens
+on each tp rank, like on each data rank, and their gradients must be summed over both: the plan
+names them (`block_sequence_units`) and FSDP shards them over the data and tp ranks together.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from kiln.config.sections import ModelConfig
+from kiln.model.moe.block import MoEFeedForward
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,10 @@ class ParallelPlan:
     last_stage: tuple[str, ...]
     # A parameter held by both the first and the last stage (tied embeddings), or None.
     tied_weight: str | None = None
+    # Units among `block_fsdp_units` that tensor parallel leaves whole: each tp rank runs them on
+    # its own part of the sequence, so FSDP shards them over the data and tp ranks together and
+    # their gradients are summed over both (see the module doc).
+    block_sequence_units: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
 
 
 def llama_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -58,12 +69,29 @@ def llama_plan(cfg: ModelConfig) -> ParallelPlan:
             ),
         },
         block_tp=_llama_block_tp,
-        block_fsdp_units=lambda block: ("attention", "feed_forward"),
+        block_fsdp_units=_llama_fsdp_units,
         first_stage=("tok_embeddings",),
         # Tied: the last stage keeps its own copy of the embedding as output head.
         last_stage=("norm", "output", "tok_embeddings") if tied else ("norm", "output"),
         tied_weight="tok_embeddings.weight" if tied else None,
+        block_sequence_units=_moe_sequence_units,
     )
+
+
+def _is_moe(block: nn.Module) -> bool:
+    return isinstance(block.feed_forward, MoEFeedForward)
+
+
+def _llama_fsdp_units(block: nn.Module) -> tuple[str, ...]:
+    # In an MoE block the routed experts (most of its weights) are a unit of their own, and the
+    # rest of the MoE feed-forward (router gate, shared experts) another, inside it.
+    if _is_moe(block):
+        return ("attention", "feed_forward.experts", "feed_forward")
+    return ("attention", "feed_forward")
+
+
+def _moe_sequence_units(block: nn.Module) -> tuple[str, ...]:
+    return ("feed_forward.experts", "feed_forward") if _is_moe(block) else ()
 
 
 def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
@@ -82,12 +110,7 @@ def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        **(_moe_ffn_tp() if _is_moe(block) else _dense_ffn_tp()),
     }
     if block.attention.q_norm is not None:
         # q and k are (batch, heads, seq, head_dim) with this rank's heads: the norm weight, shared
@@ -96,3 +119,26 @@ def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=1, use_local_output=True)
     return plan
+
+
+def _dense_ffn_tp() -> dict[str, ParallelStyle]:
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _moe_ffn_tp() -> dict[str, ParallelStyle]:
+    # The MoE feed-forward works on plain tensors: it takes this tp rank's sequence shard of the
+    # (sequence-parallel) norm's output as it is, nothing gathered, and returns the same tokens'
+    # outputs, a plain tensor like the rest of the residual stream between sub-layers (the
+    # embedding and the row-split outputs return their local sequence shards too).
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+    }

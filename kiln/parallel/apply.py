@@ -8,6 +8,10 @@ boundaries) comes from the model family's plan, `model.parallel_plan()`.
 
 from __future__ import annotations
 
+from functools import partial
+
+from torch.distributed.device_mesh import DeviceMesh
+
 from kiln.config.sections import JobConfig
 from kiln.model.transformer import Transformer
 from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -25,24 +29,42 @@ def apply_parallelism(
     """Wrap `model` (still on the meta device) and return the parts this rank runs: the model
     itself, or under pipeline parallel the stages assigned to this rank, in stage order."""
     plan = model.parallel_plan()
+    # Decided on the whole model: every rank takes part in creating the sequence mesh.
+    sequence_units = any(plan.block_sequence_units(b) for b in getattr(model, plan.blocks).values())
     degrees = parallel.degrees if parallel is not None else {"pp": 1, "tp": 1}
     pipelined = degrees["pp"] > 1
     parts = (
         split_into_stages(model, cfg, parallel.mesh.get_local_rank("pp")) if pipelined else [model]
     )
     fsdp_mesh = parallel.fsdp_mesh() if parallel is not None else None
-    policy = fsdp_policy(cfg)
+    # Units tensor parallel leaves whole (MoE) are sharded over the data and tp ranks.
+    sequence_mesh = _sequence_mesh(parallel) if sequence_units else None
+    sharded = fsdp_mesh is not None or sequence_mesh is not None
+    shard = partial(
+        apply_fsdp,
+        plan=plan,
+        mesh=fsdp_mesh,
+        policy=fsdp_policy(cfg),
+        sequence_mesh=sequence_mesh,
+        pipelined=pipelined,
+    )
     # The order mistake the seeds warn about; the parity tests must catch it.
     wrong_order = mutation_on("KILN_TEST_FSDP_BEFORE_TP") and fsdp_mesh is not None
     for part in parts:
         if wrong_order:
-            apply_fsdp(part, plan, fsdp_mesh, policy=policy, pipelined=pipelined)
+            shard(part)
         if degrees["tp"] > 1:
             apply_tensor_parallel(part, plan, parallel.mesh["tp"])
         apply_activation_checkpointing(part, plan, cfg.train.activation_checkpointing)
         if cfg.train.compile:
             for block in getattr(part, plan.blocks).values():
                 block.compile()
-        if fsdp_mesh is not None and not wrong_order:
-            apply_fsdp(part, plan, fsdp_mesh, policy=policy, pipelined=pipelined)
+        if sharded and not wrong_order:
+            shard(part)
     return parts
+
+
+def _sequence_mesh(parallel: ParallelContext | None) -> DeviceMesh | None:
+    if parallel is None or mutation_on("KILN_TEST_MOE_GRADS_NOT_SUMMED_OVER_TP"):
+        return None
+    return parallel.sequence_fsdp_mesh()

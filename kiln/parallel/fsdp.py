@@ -1,16 +1,21 @@
 """FSDP2 (`fully_shard`) per sub-module: the units the model's plan names inside each block (for
-Llama attention and MLP), then the block, then the root.
+Llama attention and MLP; in an MoE block attention, the routed experts and the rest of the MoE
+feed-forward), then the block, then the root.
 
 Separate units for attention and MLP mean only one of them is unsharded at a time, which the
 seeds measured as 11% less peak memory and far less allocator pressure than whole-block units.
 A 2-D mesh (dp_replicate, dp_shard) gives HSDP: shard within a replica, all-reduce across.
+
+Units that tensor parallel leaves whole (the plan's `block_sequence_units`, the MoE feed-forward)
+see other tokens on every tp rank, so they are sharded over the data and tp ranks together (the
+"sequence mesh") and their gradients summed over both; see `_sum_gradients` for the scale.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from kiln.model.parallel_plan import ParallelPlan
 from kiln.parallel.mutations import mutation_on
@@ -19,26 +24,62 @@ from kiln.parallel.mutations import mutation_on
 def apply_fsdp(
     model: nn.Module,
     plan: ParallelPlan,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     policy: MixedPrecisionPolicy,
+    sequence_mesh: DeviceMesh | None = None,
     pipelined: bool = False,
 ) -> None:
-    """Shard `model` (or one pipeline stage of it). A pipelined stage keeps its blocks gathered
-    between forward and backward: resharding would all-gather again for every micro-batch."""
+    """Shard `model` (or one pipeline stage of it) over `mesh`, and the plan's sequence units
+    over `sequence_mesh` (None: tp = 1, they go on `mesh` like the rest). `mesh` None (tp alone,
+    no data parallel): only the sequence units are sharded, over tp, so that their gradients
+    are summed. A pipelined stage keeps its blocks gathered between forward and backward:
+    resharding would all-gather again for every micro-batch."""
     blocks = list(getattr(model, plan.blocks).values())
     for index, block in enumerate(blocks):
         # Activation checkpointing wraps the block; the plan names modules of the block itself.
         inner = getattr(block, "_checkpoint_wrapped_module", block)
-        units = [inner.get_submodule(path) for path in plan.block_fsdp_units(inner)]
+        sequence_units = set(plan.block_sequence_units(inner)) if sequence_mesh else set()
         # The backward starts with the last block right after its forward (only the head and
         # the loss run between): resharding it would only all-gather the same parameters again.
         reshard = not pipelined and index < len(blocks) - 1
-        for unit in (*units, block):
-            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        for path in plan.block_fsdp_units(inner):
+            unit = inner.get_submodule(path)
+            if path in sequence_units:
+                _shard_sequence_unit(unit, sequence_mesh, mesh, policy, reshard)
+            elif mesh is not None:
+                fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        if mesh is not None:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     # The root unit holds what is outside the blocks (for Llama embeddings, final norm and output
     # head); it is gathered for the whole step anyway, so it is not resharded after forward.
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    if mesh is not None:
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def _shard_sequence_unit(
+    unit: nn.Module,
+    sequence_mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
+    policy: MixedPrecisionPolicy,
+    reshard: bool,
+) -> None:
+    # Without data parallel the forward runs under autocast (mixed_precision.py): a casting
+    # policy here would cast twice.
+    unit_policy = policy if mesh is not None else MixedPrecisionPolicy()
+    fully_shard(unit, mesh=sequence_mesh, mp_policy=unit_policy, reshard_after_forward=reshard)
+    _sum_gradients(unit, gradient_average_compensation(mesh))
+
+
+def _sum_gradients(unit: FSDPModule, loss_scale: int) -> None:
+    """Gradients summed over the unit's whole mesh. The loss carries `loss_scale` (the data
+    FSDP mesh's size, see `gradient_average_compensation`), which FSDP's default average over
+    that mesh undoes; this unit's mesh is tp times larger, so its gradients are divided by
+    `loss_scale` instead. torch 2.13 divides by a custom factor with PREMUL_SUM, which gloo
+    lacks, unless forced to sum: then it reduce-scatters (and, for HSDP, all-reduces) with SUM
+    and divides the result by the factor (none for 1), exactly, on every backend."""
+    unit.set_gradient_divide_factor(float(loss_scale))
+    unit.set_force_sum_reduction_for_comms(True)
 
 
 def gradient_average_compensation(mesh: DeviceMesh | None) -> int:

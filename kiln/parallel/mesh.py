@@ -67,6 +67,32 @@ class ParallelContext:
             fsdp_mesh.get_group() if fsdp_mesh.ndim == 1 else fsdp_mesh._flatten("dp").get_group()
         )
 
+    def sequence_fsdp_mesh(self) -> DeviceMesh | None:
+        """The FSDP mesh of units that tensor parallel leaves whole (the plan's
+        `block_sequence_units`): each tp rank runs them on its own part of the sequence, so they
+        are sharded over the data and tp ranks together: 1-D (dp_shard × tp), or 2-D
+        (dp_replicate, dp_shard × tp) for HSDP. None without tensor parallel."""
+        if self.mesh is None or self.degrees["tp"] == 1:
+            return None
+        flat = self.mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+        if self.degrees["dp_replicate"] == 1:
+            return flat
+        return self.mesh["dp_replicate", "dp_shard_tp"]
+
+    def token_group(self) -> dist.ProcessGroup | None:
+        """Group of the ranks that hold different tokens of one micro-batch on this pipeline
+        rank: the data ranks and the tp ranks (other parts of the same sequences). Statistics
+        of the whole micro-batch (MoE expert loads) are summed over it."""
+        if self.mesh is None or self.degrees["tp"] == 1:
+            return self.data_group()
+        return self.mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp").get_group()
+
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """Group of the ranks holding the other parts of this rank's sequences."""
+        if self.mesh is None or self.degrees["tp"] == 1:
+            return None
+        return self.mesh["tp"].get_group()
+
 
 def init_parallel(
     dist_cfg: DistributedConfig, device: torch.device, *, timeout_s: float = 600

@@ -27,6 +27,10 @@ MUTATIONS = {
     "KILN_TEST_UNREDUCED_SP_NORM_GRADS": (
         "sequence-parallel norm weights keep each tp rank's partial gradient (no sum over tp)"
     ),
+    "KILN_TEST_MOE_GRADS_NOT_SUMMED_OVER_TP": (
+        "the MoE units tensor parallel leaves whole are sharded over the data ranks only: their "
+        "gradients are not summed over the tp ranks, which route other tokens"
+    ),
     "KILN_TEST_DELAY_COMMIT": (
         "rank 0 commits each checkpoint 3 s late and the other ranks wait until their part of a "
         "background save is written"

@@ -69,10 +69,12 @@ def build_schedule(
     loss of one micro-batch, so the schedule must not rescale gradients (scale_grads=False)."""
     from torch.distributed import pipelining
 
+    from kiln.parallel.pipeline_stage import Stage
+
     dist_cfg = cfg.distributed
     group = parallel.mesh["pp"].get_group()
     stages = [
-        pipelining.PipelineStage(part, stage, num_stages(dist_cfg), parallel.device, group=group)
+        Stage(part, stage, num_stages(dist_cfg), parallel.device, group=group)
         for part, stage in zip(
             parts, stages_of_rank(dist_cfg, parallel.mesh.get_local_rank("pp")), strict=True
         )

@@ -5,19 +5,27 @@ stop requests, background saves), then update with the scheduled learning rate o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kiln.config import JobConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
+from kiln.metrics.moe_records import MoEStep, moe_records
 from kiln.metrics.param_norms import param_grad_norms
 from kiln.model.document_mask import document_ids
-from kiln.model.moe import AuxLossScale, MoEFeedForward, set_aux_loss_scale, update_expert_biases
+from kiln.model.moe import (
+    AuxLossScale,
+    set_aux_loss_scale,
+    take_aux_loss_sums,
+    update_expert_biases,
+)
 from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
 from kiln.parallel.forward_backward import ForwardBackward
@@ -87,9 +95,15 @@ class TrainStep:
             and cfg.distributed.grad_reduce == "per_step"
             and not pipelined
         )
-        self.moe = any(
-            isinstance(m, MoEFeedForward) for part in model_parts for m in part.modules()
-        )
+        # From the config, not this rank's modules: a pipeline rank whose stages hold no MoE
+        # layer still joins the collectives of the MoE records.
+        self.moe = cfg.model.num_experts > 0
+        # The ranks holding the other tokens of a micro-batch (data and tp ranks), and those
+        # holding the other parts of this rank's sequences (tp ranks). Created here, on every
+        # rank at once, as creating a group requires.
+        self.token_group = parallel.token_group() if self.moe else None
+        self.tp_group = parallel.tp_group() if self.moe else None
+        self.moe_step: MoEStep | None = None
 
     def __call__(self, batch: StepBatch, *, step: int, flags: dict[str, bool]) -> StepResult:
         """Step number `step` (1-based) over `batch`; `flags` (stop, time_up, save_pending) are
@@ -127,10 +141,8 @@ class TrainStep:
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         agreed = any_rank({"non_finite": ~finite, **flags}, device=self.device)
         lr = self._update(step, skip=agreed["non_finite"])
-        if self.moe:  # a skipped step only restarts the expert load counts
-            rate = 0.0 if agreed["non_finite"] else self.cfg.model.moe_bias_update_rate
-            reduce = partial(sum_over, group=self.parallel.data_group())
-            update_expert_biases(self.model_parts, rate, all_reduce=reduce)
+        if self.moe:
+            self._end_moe_step(skipped=agreed["non_finite"])
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         return StepResult(
             loss,
@@ -148,15 +160,45 @@ class TrainStep:
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
         """MoE auxiliary losses are normalized over the whole step, like the main loss: by the
-        step's tokens and sequences on all data ranks (every token counts, masked or not)."""
+        step's tokens and sequences on all data ranks (every token counts, masked or not).
+
+        The load-balance loss takes f_e from the expert counts of the whole micro-batch: summed
+        over the data ranks and the tp ranks, which hold its other tokens. It then equals one
+        process's on the same micro-batches (same batch_size × data ranks and grad_accum_steps;
+        under pipeline parallel one process whose micro-batches are the pipeline's). The
+        sequence-wise loss counts whole sequences: summed over the tp ranks."""
         ranks = self.parallel.data_ranks
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * ranks
         sequences = sum(inputs.shape[0] for inputs, _ in micro_batches) * ranks
         scale = AuxLossScale(
-            per_token=self.grad_scale / tokens, per_sequence=self.grad_scale / sequences
+            per_token=self.grad_scale / tokens,
+            per_sequence=self.grad_scale / sequences,
+            reduce_counts=_sum_over(self.token_group),
+            reduce_sequence_counts=_sum_over(self.tp_group),
         )
         for part in self.model_parts:
             set_aux_loss_scale(part, scale)
+        self.moe_step = MoEStep(None, None, tokens=tokens, sequences=sequences)
+
+    def _end_moe_step(self, *, skipped: bool) -> None:
+        """Move the expert biases by the step's loads summed over the token group (the same
+        update on every rank; a skipped step only restarts the counts), and keep the step's
+        loads and balancing-loss sums for its records."""
+        rate = 0.0 if skipped else self.cfg.model.moe_bias_update_rate
+        loads = update_expert_biases(self.model_parts, rate, all_reduce=_sum_over(self.token_group))
+        sums = take_aux_loss_sums(self.model_parts)
+        self.moe_step = self.moe_step._replace(loads=loads, aux_loss_sums=sums)
+
+    def moe_records(self) -> dict[str, float]:
+        """The last step's MoE records (see `moe_records`); every rank calls it at once."""
+        if self.moe_step is None:
+            return {}
+        return moe_records(
+            self.model_parts,
+            self.moe_step,
+            token_group=self.token_group,
+            pipeline_group=self.pipeline_group,
+        )
 
     def _update(self, step: int, *, skip: bool) -> float:
         lr = (
@@ -211,3 +253,7 @@ class TrainStep:
         if not self.cfg.data.document_mask:
             return {}
         return {"document_ids": document_ids(inputs, self.eos_id)}
+
+
+def _sum_over(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    return partial(sum_over, group=group) if group is not None else None

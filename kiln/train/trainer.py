@@ -199,6 +199,7 @@ class Trainer:
         if result.param_grad_norms is not None:
             record["param_grad_norms"] = result.param_grad_norms
         record |= self.step_fn.dataset_records()
+        record |= self.step_fn.moe_records()
         if log.eval_due(self.step):
             log.exclude(_timed(lambda: record.update(self.evaluate())))  # not training time
         if self.parallel.is_main:

@@ -95,14 +95,12 @@ def test_dense_message_names_the_fix():
     assert "model.num_experts = 0 (dense): set num_experts > 0 or leave" in message
 
 
-def test_tensor_parallel_is_refused_until_moe_has_a_plan():
-    cfg = JobConfig(model=ModelConfig(**MOE))
-    cfg.distributed.tp = 2
-    found = [p for p in collect_problems(cfg, 2) if "num_experts" in p]
-    assert found == [
-        "model.num_experts > 0 with distributed.tp > 1 is not supported yet (no tensor-parallel "
-        "plan for MoE blocks); use distributed.tp = 1"
-    ]
+def test_every_layout_accepts_moe():
+    # Tensor parallel included (each tp rank routes its part of the sequence), with every
+    # balancing loss on: tests/distributed/test_moe_parity.py proves each layout.
+    cfg = JobConfig(model=ModelConfig(**MOE, moe_seq_aux_loss_weight=0.01))
+    cfg.distributed.tp, cfg.distributed.pp = 2, 2
+    assert [p for p in collect_problems(cfg, 8) if "moe" in p or "num_experts" in p] == []
 
 
 def test_debug_moe_recipe_loads():

@@ -2,12 +2,18 @@
 
 from kiln.model.moe.balancing import AuxLossScale, attach_aux_loss
 from kiln.model.moe.bias_update import update_expert_biases
-from kiln.model.moe.block import MoEFeedForward, set_aux_loss_scale
+from kiln.model.moe.block import (
+    AUX_LOSSES,
+    MoEFeedForward,
+    set_aux_loss_scale,
+    take_aux_loss_sums,
+)
 from kiln.model.moe.dispatch import LocalDispatcher
 from kiln.model.moe.experts import GroupedExperts
-from kiln.model.moe.router import Router
+from kiln.model.moe.router import Router, uncounted
 
 __all__ = [
+    "AUX_LOSSES",
     "AuxLossScale",
     "GroupedExperts",
     "LocalDispatcher",
@@ -15,5 +21,7 @@ __all__ = [
     "Router",
     "attach_aux_loss",
     "set_aux_loss_scale",
+    "take_aux_loss_sums",
+    "uncounted",
     "update_expert_biases",
 ]

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.model.moe.router import count_values
+
 
 @dataclass
 class AuxLossScale:
@@ -28,13 +30,21 @@ class AuxLossScale:
     optimizer step), times what the main loss's scale also carries (FSDP's average
     compensation). None: 1 / this forward's own count.
     reduce_counts, if set, maps this forward's assignments per expert (experts,) to the counts
-    over a larger group (e.g. a sum over data ranks), from which the load-balance loss takes
-    its f_e; None: this forward's counts.
+    over a larger group (a sum over the ranks holding the other tokens of the micro-batch: data
+    and tensor-parallel ranks), from which the load-balance loss takes its f_e; None: this
+    forward's counts.
+    reduce_sequence_counts, if set, does the same for the assignments per (sequence, expert)
+    of the sequence-wise loss, summed over the ranks holding the other parts of the same
+    sequences (tensor-parallel ranks); None: this forward holds whole sequences.
+    With reduced counts each rank's sum covers its own tokens only: the sums over all ranks
+    add up to the loss of the whole micro-batch, and so do the gradients, which the trainer
+    sums over the same ranks.
     """
 
     per_token: float | torch.Tensor | None = None
     per_sequence: float | torch.Tensor | None = None
     reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce_sequence_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def load_balance_sum(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -50,21 +60,32 @@ def load_balance_sum(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return probs.shape[-1] * (fraction * probs.sum(dim=0)).sum()
 
 
-def sequence_balance_sum(probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def sequence_balance_sum(
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """DeepSeek-V3 (2024, eqs. 17-20) sequence-wise balance loss, summed over sequences:
     Σ_b Σ_e f_{b,e} · P_{b,e} with f_{b,e} = E / (k · S) · (assignments of sequence b to e) and
     P_{b,e} = mean over the sequence's S tokens of the normalized score s'_{t,e}. Divided by the
     number of sequences it is the paper's loss averaged over sequences (α is the weight).
 
     probs (sequences, seq_len, experts) normalized scores, indices (sequences, seq_len, top_k).
+    `reduce_counts` (see `AuxLossScale.reduce_sequence_counts`): these tokens are a part of
+    each sequence; the counts of the whole sequences give f and S, and the sum covers this
+    part's tokens, so the parts' sums add up to the loss of the whole sequences.
     """
-    sequences, seq_len, experts = probs.shape
+    sequences, _, experts = probs.shape
     top_k = indices.shape[-1]
     # Exact integer counts per (sequence, expert), whatever the order of accumulation.
     flat = indices.flatten(1) + experts * torch.arange(sequences, device=indices.device)[:, None]
-    counts = torch.bincount(flat.flatten(), minlength=sequences * experts).view(sequences, -1)
-    fraction = counts.float() * (experts / (top_k * seq_len))
-    return (fraction * probs.mean(dim=1)).sum()
+    counts = count_values(flat, sequences * experts).view(sequences, -1)
+    if reduce_counts is not None:
+        counts = reduce_counts(counts)
+    # k · S: every token of a whole sequence makes k assignments (before any capacity drop).
+    assignments = counts.sum(dim=1, keepdim=True).float()
+    fraction = counts.float() * experts / assignments
+    return (fraction * probs.sum(dim=1) * (top_k / assignments)).sum()
 
 
 def router_z_sum(logits: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,14 +19,19 @@ from kiln.model.moe.balancing import (
 )
 from kiln.model.moe.dispatch import LocalDispatcher
 from kiln.model.moe.experts import GroupedExperts
-from kiln.model.moe.router import Router, RouterOutput
+from kiln.model.moe.router import Router, RouterOutput, is_training_forward
+
+# The balancing losses, in the order of `MoEFeedForward.aux_loss_sums`.
+AUX_LOSSES = ("load_balance", "seq_balance", "router_z")
 
 
 class MoEFeedForward(nn.Module):
     """out = Σ_k weight_k · expert_k(x) + [sigmoid(shared_gate(x)) ·] shared_experts(x).
 
     After each forward `aux_losses` holds the detached, unweighted balancing losses of that
-    forward normalized by its own tokens and sequences (the papers' values), for logging.
+    forward normalized by its own tokens and sequences (the papers' values). The buffer
+    `aux_loss_sums` adds up their unnormalized sums (AUX_LOSSES order) over the training
+    forwards of the step (those `tokens_per_expert` counts), for the step's metrics.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -54,6 +61,7 @@ class MoEFeedForward(nn.Module):
         # Set from outside (see `set_aux_loss_scale`); shared by every MoE block of a model.
         self.aux_scale = AuxLossScale()
         self.aux_losses: dict[str, torch.Tensor] = {}
+        self.register_buffer("aux_loss_sums", torch.zeros(len(AUX_LOSSES)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (batch, seq, dim) -> (batch, seq, dim)."""
@@ -79,6 +87,8 @@ class MoEFeedForward(nn.Module):
         tokens, sequences = route.indices.shape[0], shape[0]
         own = {"load_balance": tokens, "seq_balance": sequences, "router_z": tokens}
         self.aux_losses = {name: value.detach() / own[name] for name, value in sums.items()}
+        if is_training_forward():
+            self.aux_loss_sums += torch.stack([sums[name].detach() for name in AUX_LOSSES])
         given = {
             "load_balance": self.aux_scale.per_token,
             "seq_balance": self.aux_scale.per_sequence,
@@ -94,20 +104,30 @@ class MoEFeedForward(nn.Module):
     def _loss_sums(self, route: RouterOutput, *, sequences: int) -> dict[str, torch.Tensor]:
         probs = normalized_scores(route.scores)
         counts = route.counts
-        # Counts over a larger group cost a collective: only for a loss that is on.
-        if self.aux_scale.reduce_counts is not None and self.aux_weights["load_balance"] > 0:
-            counts = self.aux_scale.reduce_counts(counts)
+        reduce_counts = self._count_reduction("load_balance", self.aux_scale.reduce_counts)
+        if reduce_counts is not None:
+            counts = reduce_counts(counts)
         experts, top_k = probs.shape[-1], route.indices.shape[-1]
         return {
             "load_balance": load_balance_sum(probs, counts),
             "seq_balance": sequence_balance_sum(
-                probs.view(sequences, -1, experts), route.indices.view(sequences, -1, top_k)
+                probs.view(sequences, -1, experts),
+                route.indices.view(sequences, -1, top_k),
+                self._count_reduction("seq_balance", self.aux_scale.reduce_sequence_counts),
             ),
             "router_z": router_z_sum(route.logits),
         }
 
+    def _count_reduction(self, loss: str, reduce: Callable | None) -> Callable | None:
+        # Counts over a larger group cost a collective: only for a loss that is on and a forward
+        # that trains (every rank of the group runs the same training forwards, in one order).
+        if self.aux_weights[loss] > 0 and torch.is_grad_enabled():
+            return reduce
+        return None
+
     def init_buffers(self) -> None:
         self.router.init_buffers()
+        self.aux_loss_sums.zero_()
 
 
 def set_aux_loss_scale(model: nn.Module, scale: AuxLossScale) -> None:
@@ -115,3 +135,16 @@ def set_aux_loss_scale(model: nn.Module, scale: AuxLossScale) -> None:
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
             module.aux_scale = scale
+
+
+@torch.no_grad()
+def take_aux_loss_sums(model_parts: list[nn.Module]) -> torch.Tensor | None:
+    """Every MoE block's `aux_loss_sums` since the last call, (blocks, len(AUX_LOSSES)) in the
+    order of `modules()` (that of the routers), restarting them; None without MoE blocks."""
+    blocks = [m for part in model_parts for m in part.modules() if isinstance(m, MoEFeedForward)]
+    if not blocks:
+        return None
+    sums = torch.stack([block.aux_loss_sums.clone() for block in blocks])
+    for block in blocks:
+        block.aux_loss_sums.zero_()
+    return sums

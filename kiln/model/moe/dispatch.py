@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from kiln.model.moe.router import count_values
+
 
 class DispatchState(NamedTuple):
     order: torch.Tensor  # (kept assignments,) slot index (token · top_k + k) of each sorted row
@@ -38,7 +40,7 @@ class LocalDispatcher:
         num_tokens, dim = x.shape
         experts = indices.flatten()
         order = torch.argsort(experts, stable=True)
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        counts = count_values(experts, self.num_experts)
         if self.capacity_factor > 0:
             order, counts = self._drop_over_capacity(order, experts, counts, num_tokens)
         # One row per slot, then a gather in which every index occurs once (see module doc).

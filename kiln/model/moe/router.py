@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -62,7 +64,7 @@ class Router(nn.Module):
         if self.route_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights * self.route_scale
-        counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+        counts = count_values(indices, self.num_experts)
         if is_training_forward():
             self.tokens_per_expert += counts
         return RouterOutput(indices, weights, scores, logits, counts)
@@ -89,8 +91,34 @@ class Router(nn.Module):
         self.tokens_per_expert.zero_()
 
 
+def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0 .. n-1 occurs in `values`, as int64 (n,): `torch.bincount` with its
+    size fixed, which torch.compile traces (bincount's size depends on the data, a graph break).
+    Integer sums: exact in any order."""
+    flat = values.flatten()
+    counts = torch.zeros(n, dtype=torch.int64, device=values.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
+# False inside `uncounted()`.
+_COUNTING = True
+
+
 def is_training_forward() -> bool:
-    """Whether this forward's routing belongs to the optimizer step: gradients are on (not eval)
-    and it is not the recompute of a checkpointed block, which runs inside backward (where the
-    autograd engine has a current graph task) and would count its tokens a second time."""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+    """Whether this forward's routing belongs to the optimizer step: gradients are on (not eval),
+    it is not the recompute of a checkpointed block, which runs inside backward (where the
+    autograd engine has a current graph task) and would count its tokens a second time, and it
+    is not inside `uncounted()`."""
+    return _COUNTING and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Forwards inside are not part of the optimizer step although gradients are on (a pipeline
+    schedule's shape inference): their routing counts toward no expert load."""
+    global _COUNTING
+    saved, _COUNTING = _COUNTING, False
+    try:
+        yield
+    finally:
+        _COUNTING = saved
