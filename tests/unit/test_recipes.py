@@ -7,7 +7,6 @@ import pytest
 
 from kiln.config import load_config, resolve_layout
 from kiln.config.load import RECIPE_DIR, SHIPPED_CONFIGS, find_recipe
-from kiln.config.validate import collect_problems
 from kiln.errors import ConfigError
 from tests.conftest import REPO
 
@@ -20,14 +19,12 @@ RECIPES = {
     "13b_32gpu_tp4_pp2": (32, {"dp_shard": 4, "tp": 4, "pp": 2}),
     "29b_32gpu_tp4_pp2": (32, {"dp_shard": 4, "tp": 4, "pp": 2}),
     "70b_32gpu_tp4_pp4": (32, {"dp_shard": 2, "tp": 4, "pp": 4}),
-}
-MOE_RECIPES = {
+    # Mixture of Experts (moe_4b)
     "moe_8gpu": (8, {"dp_shard": 2, "tp": 4}),
     "moe_24gpu": (24, {"dp_shard": 6, "tp": 4}),
 }
 # One process: smoke runs and the demo.
 SMALL_RECIPES = {"debug", "demo", "debug_moe"}
-MOE_TP_REFUSAL = "model.num_experts > 0 with distributed.tp > 1 is not supported yet"
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -38,24 +35,9 @@ def test_recipe_checks_at_its_gpu_count(name):
     assert {k: layout[k] for k in mesh} == mesh
 
 
-@pytest.mark.parametrize("name", MOE_RECIPES)
-def test_moe_recipe_checks_at_its_gpu_count(name):
-    """The layout users need for MoE is TP=4 x FSDP; until MoE blocks have a tensor-parallel
-    plan, validation refuses tp > 1 for them, and that must be the only problem."""
-    gpus, mesh = MOE_RECIPES[name]
-    cfg = load_config(REPO / "configs" / "train" / f"{name}.toml")
-    assert cfg.model.num_experts > 0
-    layout = resolve_layout(cfg.distributed, gpus)
-    assert {k: layout[k] for k in mesh} == mesh
-    problems = collect_problems(cfg, gpus)
-    if problems:
-        assert len(problems) == 1 and problems[0].startswith(MOE_TP_REFUSAL), problems
-        pytest.xfail("MoE with tp > 1 is refused until MoE blocks have a tensor-parallel plan")
-
-
 def test_every_shipped_recipe_is_checked_here():
     shipped = {path.stem for path in (REPO / "configs" / "train").glob("*.toml")}
-    assert shipped == set(RECIPES) | set(MOE_RECIPES) | SMALL_RECIPES
+    assert shipped == set(RECIPES) | SMALL_RECIPES
 
 
 @pytest.mark.parametrize("name", sorted(SMALL_RECIPES))
