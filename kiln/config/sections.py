@@ -214,6 +214,9 @@ class MetricsConfig:
     # Log every parameter's gradient norm (before clipping) under `param_grad_norms`; one
     # collective per parameter, so a debugging and parity aid rather than a default.
     param_grad_norms: bool = False
+    # MoE: warn when an expert has received no token for this many optimizer steps in a row
+    # (0: never).
+    idle_expert_warn_steps: int = 100
 
 
 @dataclass

@@ -184,6 +184,11 @@ def _train_problems(cfg: JobConfig) -> list[str]:
         )
     if cfg.metrics.log_interval <= 0:
         p.append(f"metrics.log_interval must be positive, got {cfg.metrics.log_interval}")
+    if cfg.metrics.idle_expert_warn_steps < 0:
+        p.append(
+            "metrics.idle_expert_warn_steps must be >= 0 (0 turns the warning off), got "
+            f"{cfg.metrics.idle_expert_warn_steps}"
+        )
     return p
 
 

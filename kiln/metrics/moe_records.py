@@ -18,6 +18,9 @@ from kiln.model.moe import MoEFeedForward
 from kiln.model.transformer import canonical_name
 from kiln.parallel.collectives import sum_over
 
+# Per layer: bias min, max, Σ|bias|, imbalance and the three losses; the expert loads follow.
+STATS = 7
+
 
 class MoEStep(NamedTuple):
     """What one step leaves for its records (this pipeline rank's MoE layers)."""
@@ -37,7 +40,8 @@ def moe_records(
 ) -> dict[str, float]:
     """{"moe/<what>": value}: bias_min, bias_max, bias_abs_sum (Σ |bias| over all layers);
     imbalance_max and imbalance_mean over the layers and imbalance/<layer> (a layer's most
-    loaded expert's assignments over the mean); load_balance_loss, seq_balance_loss and
+    loaded expert's assignments over the mean); load/<layer>, the fraction of the layer's
+    assignments each expert received (a list, by expert); load_balance_loss, seq_balance_loss and
     router_z_loss (unweighted, mean over the layers)."""
     layers = _layer_values(model_parts, step, token_group)
     if pipeline_group is not None:
@@ -47,7 +51,7 @@ def moe_records(
     if not layers:
         return {}
     names = sorted(layers, key=_natural)
-    columns = list(zip(*(layers[name] for name in names), strict=True))
+    columns = list(zip(*(layers[name][:STATS] for name in names), strict=True))
     bias_min, bias_max, bias_abs, imbalance, load_balance, seq_balance, router_z = columns
     return {
         "moe/bias_min": min(bias_min),
@@ -59,19 +63,31 @@ def moe_records(
         "moe/seq_balance_loss": sum(seq_balance) / len(names),
         "moe/router_z_loss": sum(router_z) / len(names),
         **{f"moe/imbalance/{name}": layers[name][3] for name in names},
+        **{f"moe/load/{name}": layers[name][STATS:] for name in names},
     }
 
 
-def _layer_values(
-    model_parts: list[nn.Module], step: MoEStep, token_group: dist.ProcessGroup | None
-) -> dict[str, list[float]]:
-    """{MoE layer name: [bias min, max, Σ|bias|, imbalance, three losses]} of this rank."""
-    blocks = [
+def moe_layer_names(model_parts: list[nn.Module]) -> list[str]:
+    """This rank's MoE layers (e.g. 'layers.3.feed_forward'), in the order of `modules()`, the
+    order of the routers' stacked loads."""
+    return [name for name, _ in _moe_blocks(model_parts)]
+
+
+def _moe_blocks(model_parts: list[nn.Module]) -> list[tuple[str, MoEFeedForward]]:
+    return [
         (canonical_name(name), module)
         for part in model_parts
         for name, module in part.named_modules()
         if isinstance(module, MoEFeedForward)
     ]
+
+
+def _layer_values(
+    model_parts: list[nn.Module], step: MoEStep, token_group: dist.ProcessGroup | None
+) -> dict[str, list[float]]:
+    """{MoE layer name: [bias min, max, Σ|bias|, imbalance, three losses, then the fraction of
+    the assignments each expert received]} of this rank."""
+    blocks = _moe_blocks(model_parts)
     if not blocks:
         return {}
     # Each rank summed the losses over its own tokens (see balancing.AuxLossScale).
@@ -80,11 +96,12 @@ def _layer_values(
     losses = sums / norm.to(sums.device)
     loads = step.loads.float()
     imbalance = loads.amax(dim=1) / loads.mean(dim=1).clamp(min=1e-12)
+    fractions = loads / loads.sum(dim=1, keepdim=True).clamp(min=1)
     values = {}
     for index, (name, block) in enumerate(blocks):
         bias = block.router.expert_bias
         stats = torch.stack([bias.min(), bias.max(), bias.abs().sum(), imbalance[index]])
-        values[name] = [*stats.tolist(), *losses[index].tolist()]
+        values[name] = [*stats.tolist(), *losses[index].tolist(), *fractions[index].tolist()]
     return values
 
 

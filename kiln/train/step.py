@@ -17,7 +17,9 @@ from kiln.config import JobConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
-from kiln.metrics.moe_records import MoEStep, moe_records
+from kiln.metrics.idle_experts import IdleExperts
+from kiln.metrics.logger import warn
+from kiln.metrics.moe_records import MoEStep, moe_layer_names, moe_records
 from kiln.metrics.param_norms import param_grad_norms
 from kiln.model.document_mask import document_ids
 from kiln.model.moe import (
@@ -104,6 +106,11 @@ class TrainStep:
         self.token_group = parallel.token_group() if self.moe else None
         self.tp_group = parallel.tp_group() if self.moe else None
         self.moe_step: MoEStep | None = None
+        self.idle_experts = IdleExperts(
+            moe_layer_names(model_parts), patience=cfg.metrics.idle_expert_warn_steps
+        )
+        # Each rank's loads are its token group's sums: one rank of each group says it.
+        self.says_idle = self.token_group is None or dist.get_rank(self.token_group) == 0
 
     def __call__(self, batch: StepBatch, *, step: int, flags: dict[str, bool]) -> StepResult:
         """Step number `step` (1-based) over `batch`; `flags` (stop, time_up, save_pending) are
@@ -188,6 +195,10 @@ class TrainStep:
         loads = update_expert_biases(self.model_parts, rate, all_reduce=_sum_over(self.token_group))
         sums = take_aux_loss_sums(self.model_parts)
         self.moe_step = self.moe_step._replace(loads=loads, aux_loss_sums=sums)
+        if loads is not None:
+            for message in self.idle_experts.update(loads):
+                if self.says_idle:
+                    warn(message)
 
     def moe_records(self) -> dict[str, float]:
         """The last step's MoE records (see `moe_records`); every rank calls it at once."""

@@ -124,14 +124,19 @@ def reference(runs, overrides):
 
 
 def moe_mismatches(got, expected):
-    """{key: (got, expected)} of the MoE records of one step that differ: biases and load
-    imbalances by more than 1e-6 (they are equal), balancing losses by more than TOLERANCE."""
+    """{key: (got, expected)} of the MoE records of one step that differ: biases, load
+    imbalances and per-expert load fractions by more than 1e-6 (they are equal), balancing
+    losses by more than TOLERANCE."""
     keys = {k for k in got.keys() | expected.keys() if k.startswith("moe/")}
     found = {}
     for key in sorted(keys):
         a, b = got.get(key), expected.get(key)
+        if a is None or b is None:
+            found[key] = (a, b)
+            continue
         bound = TOLERANCE * abs(b) if key in LOSS_KEYS else 1e-6
-        if a is None or b is None or abs(a - b) > bound:
+        pairs = zip(a, b, strict=True) if isinstance(b, list) else [(a, b)]
+        if any(abs(x - y) > bound for x, y in pairs):
             found[key] = (a, b)
     return found
 
@@ -152,6 +157,7 @@ def test_moe_layout_matches_one_process(layout, runs):
     assert any(expected[step]["moe/bias_abs_sum"] > 0 for step in expected)
     layers = [k for k in expected[1] if k.startswith("moe/imbalance/")]
     assert len(layers) == (3 if "--model.n_layers=4" in reference_overrides else 1)
+    assert len([k for k in expected[1] if k.startswith("moe/load/")]) == len(layers)
 
 
 def test_pipeline_shape_inference_counts_no_tokens(runs, demo_data):

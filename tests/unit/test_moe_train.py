@@ -49,3 +49,34 @@ def test_micro_batches_train_like_one_batch(debug_overrides, tmp_path):
     assert any(b.abs().sum() > 0 for b in biases)
     for a, b in zip(biases, expert_biases(split), strict=True):
         assert torch.equal(a, b)
+
+
+def test_expert_load_is_logged_and_idle_experts_are_named(debug_overrides, tmp_path, capsys):
+    """64 experts, top 1, 16 tokens a step: most experts get no token. With a patience of 2 an
+    idle expert is named once, at the step its stretch reaches 2 (zero at that step and the one
+    before, not at the one before that); every logged step records each MoE layer's
+    per-expert fractions of the assignments."""
+    trainer = make_trainer(
+        debug_overrides,
+        "--model.num_experts=64",
+        "--model.moe_top_k=1",
+        "--train.seq_len=16",
+        "--train.batch_size=1",
+        "--train.max_steps=3",
+        "--metrics.log_interval=1",
+        "--metrics.idle_expert_warn_steps=2",
+    )
+    records = trainer.train()
+    warned = [line for line in capsys.readouterr().err.splitlines() if "received no token" in line]
+    (layer,) = [name for name in records[0] if name.startswith("moe/load/")]
+    idle = [[fraction == 0 for fraction in record[layer]] for record in records]
+    reaching_2 = [
+        expert
+        for step in (1, 2)
+        for expert in range(64)
+        if idle[step][expert] and idle[step - 1][expert] and not (step == 2 and idle[0][expert])
+    ]
+    assert len(warned) == len(reaching_2) >= 40
+    assert "has received no token for 2 steps in a row" in warned[0]
+    for record in records:
+        assert len(record[layer]) == 64 and sum(record[layer]) == pytest.approx(1.0)
