@@ -22,6 +22,24 @@ FLOOR = 1e-3
 SAVE = "--checkpoint.interval=5"
 
 
+# Every pipeline schedule, with the virtual stages per rank it runs at pp=2 and pp=4.
+VIRTUAL_STAGES = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved_1f1b": 2,
+    "interleaved_zero_bubble": 2,
+    "zbv": 2,
+}
+
+
+def schedule(name):
+    """Overrides selecting pipeline schedule `name`."""
+    return [
+        f"--distributed.pp_schedule={name}",
+        f"--distributed.pp_virtual_stages={VIRTUAL_STAGES[name]}",
+    ]
+
+
 def train_args(run_dir, demo_data, *overrides, steps=STEPS):
     """`kiln train` arguments shared by every parity run."""
     args = [

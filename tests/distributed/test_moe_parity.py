@@ -18,9 +18,11 @@ import pytest
 
 from tests.distributed.parity import (
     TOLERANCE,
+    VIRTUAL_STAGES,
     assert_parity,
     mismatches,
     records,
+    schedule,
 )
 
 # The debug_moe preset with every balancing feature on.
@@ -37,22 +39,6 @@ WHOLE_BATCH = ("--train.batch_size=8",)
 L4 = ("--model.n_layers=4",)
 FOUR_BY_TWO = ("--train.batch_size=4", "--train.grad_accum_steps=2")
 M2 = "--distributed.pp_microbatches=2"
-
-VIRTUAL_STAGES = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved_1f1b": 2,
-    "interleaved_zero_bubble": 2,
-    "zbv": 2,
-}
-
-
-def schedule(name):
-    return [
-        f"--distributed.pp_schedule={name}",
-        f"--distributed.pp_virtual_stages={VIRTUAL_STAGES[name]}",
-    ]
-
 
 # name: (processes, overrides, reference overrides)
 LAYOUTS = {

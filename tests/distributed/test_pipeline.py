@@ -9,10 +9,12 @@ from tests.distributed.parity import (
     SAVE,
     STEPS,
     TOLERANCE,
+    VIRTUAL_STAGES,
     assert_parity,
     copy_to_resume,
     records,
     reference_args,
+    schedule,
 )
 from tests.distributed.workers import JobFailed
 
@@ -31,22 +33,6 @@ PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
 TIED_PARAM_TOLERANCE = 1e-4
 M2 = "--distributed.pp_microbatches=2"
 MASKED = (*L8, "--data.document_mask=true")
-
-VIRTUAL_STAGES = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved_1f1b": 2,
-    "interleaved_zero_bubble": 2,
-    "zbv": 2,
-}
-
-
-def schedule(name):
-    return [
-        f"--distributed.pp_schedule={name}",
-        f"--distributed.pp_virtual_stages={VIRTUAL_STAGES[name]}",
-    ]
-
 
 LAYOUTS = {
     **{
