@@ -172,6 +172,9 @@ class DistributedConfig:
     cp: int = 1
     ep: int = 1
     grad_reduce: str = "per_micro_batch"
+    # FSDP: free each block's gathered parameters after its forward (True) or keep them until
+    # its backward (False: one all-gather per block per step instead of two, ZeRO-2 memory).
+    reshard_after_forward: bool = True
     pp_schedule: str = "1f1b"
     # 0: one sequence per micro-batch, i.e. train.batch_size micro-batches per pipeline pass.
     pp_microbatches: int = 0

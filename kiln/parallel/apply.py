@@ -47,6 +47,7 @@ def apply_parallelism(
         policy=fsdp_policy(cfg),
         sequence_mesh=sequence_mesh,
         pipelined=pipelined,
+        reshard_after_forward=cfg.distributed.reshard_after_forward,
     )
     # The order mistake the seeds warn about; the parity tests must catch it.
     wrong_order = mutation_on("KILN_TEST_FSDP_BEFORE_TP") and fsdp_mesh is not None

@@ -29,12 +29,14 @@ def apply_fsdp(
     policy: MixedPrecisionPolicy,
     sequence_mesh: DeviceMesh | None = None,
     pipelined: bool = False,
+    reshard_after_forward: bool = True,
 ) -> None:
     """Shard `model` (or one pipeline stage of it) over `mesh`, and the plan's sequence units
     over `sequence_mesh` (None: tp = 1, they go on `mesh` like the rest). `mesh` None (tp alone,
     no data parallel): only the sequence units are sharded, over tp, so that their gradients
     are summed. A pipelined stage keeps its blocks gathered between forward and backward:
-    resharding would all-gather again for every micro-batch."""
+    resharding would all-gather again for every micro-batch. `reshard_after_forward` False
+    keeps every block gathered from its forward to its backward (less traffic, more memory)."""
     blocks = list(getattr(model, plan.blocks).values())
     for index, block in enumerate(blocks):
         # Activation checkpointing wraps the block; the plan names modules of the block itself.
@@ -42,7 +44,7 @@ def apply_fsdp(
         sequence_units = set(plan.block_sequence_units(inner)) if sequence_mesh else set()
         # The backward starts with the last block right after its forward (only the head and
         # the loss run between): resharding it would only all-gather the same parameters again.
-        reshard = not pipelined and index < len(blocks) - 1
+        reshard = reshard_after_forward and not pipelined and index < len(blocks) - 1
         for path in plan.block_fsdp_units(inner):
             unit = inner.get_submodule(path)
             if path in sequence_units:

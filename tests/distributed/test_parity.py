@@ -35,6 +35,11 @@ LAYOUTS = {
         ["--distributed.dp_replicate=2", "--distributed.dp_shard=2", "--train.batch_size=2"],
         (),
     ),
+    "dp_shard=2, blocks kept gathered": (
+        2,
+        ["--train.batch_size=4", "--distributed.reshard_after_forward=false"],
+        (),
+    ),
     "dp_shard=2, full AC": (
         2,
         ["--train.batch_size=4", "--train.activation_checkpointing=full"],
