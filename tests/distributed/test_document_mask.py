@@ -63,7 +63,9 @@ def train_steps(
         train=TrainConfig(
             mixed_precision="fp32", activation_checkpointing=activation_checkpointing
         ),
-        distributed=parallel and DistributedConfig(**{k: degrees[k] for k in ("tp", "dp_shard")}),
+        distributed=DistributedConfig(**{k: degrees[k] for k in ("tp", "dp_shard")})
+        if parallel
+        else DistributedConfig(dp_shard=1),
     )
     model = build_model(cfg.model)
     apply_parallelism(model, cfg, parallel)
