@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from kiln.errors import ConfigError, KilnError, RelayedError
 
 OVERRIDE_HELP = "config overrides as --section.key=value (value parsed as a TOML literal), e.g. --train.max_steps=200"
+
+
+# How long a rank that leaves an error to rank 0 waits before it exits.
+SILENT_RANK_GRACE_S = 2.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as e:
         if _reports(e):
             print(f"kiln {args.command}: error: {e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every rank once one exits: a silent rank leaves rank 0, which meets
+            # the same error at about the same moment, the time to say it.
+            time.sleep(SILENT_RANK_GRACE_S)
         return 2
     except OSError as e:  # a path that cannot be read or written: name it, no traceback
         where = f": {e.filename}" if e.filename else ""
