@@ -53,6 +53,9 @@ class ParallelPlan:
     # its own part of the sequence, so FSDP shards them over the data and tp ranks together and
     # their gradients are summed over both (see the module doc).
     block_sequence_units: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
+    # Mixture-of-Experts layers of one block, by path: modules with a `dispatcher` (the
+    # `LocalDispatcher` interface) and stacked `experts`, which expert parallel splits over ep.
+    block_moe: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
 
 
 def llama_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -75,6 +78,7 @@ def llama_plan(cfg: ModelConfig) -> ParallelPlan:
         last_stage=("norm", "output", "tok_embeddings") if tied else ("norm", "output"),
         tied_weight="tok_embeddings.weight" if tied else None,
         block_sequence_units=_moe_sequence_units,
+        block_moe=lambda block: ("feed_forward",) if _is_moe(block) else (),
     )
 
 

@@ -28,11 +28,13 @@ def apply_fsdp(
     *,
     policy: MixedPrecisionPolicy,
     sequence_mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
     pipelined: bool = False,
     reshard_after_forward: bool = True,
 ) -> None:
     """Shard `model` (or one pipeline stage of it) over `mesh`, and the plan's sequence units
-    over `sequence_mesh` (None: tp = 1, they go on `mesh` like the rest). `mesh` None (tp alone,
+    over `sequence_mesh` (None: tp = 1, they go on `mesh` like the rest) and, under expert
+    parallel, the experts over `expert_mesh` (each ep rank's slice). `mesh` None (tp alone,
     no data parallel): only the sequence units are sharded, over tp, so that their gradients
     are summed. A pipelined stage keeps its blocks gathered between forward and backward:
     resharding would all-gather again for every micro-batch. `reshard_after_forward` False
@@ -42,12 +44,15 @@ def apply_fsdp(
         # Activation checkpointing wraps the block; the plan names modules of the block itself.
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         sequence_units = set(plan.block_sequence_units(inner)) if sequence_mesh else set()
+        experts = _expert_modules(inner, plan) if expert_mesh else []
         # The backward starts with the last block right after its forward (only the head and
         # the loss run between): resharding it would only all-gather the same parameters again.
         reshard = reshard_after_forward and not pipelined and index < len(blocks) - 1
         for path in plan.block_fsdp_units(inner):
             unit = inner.get_submodule(path)
-            if path in sequence_units:
+            if any(unit is e for e in experts):
+                _shard_sequence_unit(unit, expert_mesh, mesh, policy, reshard)
+            elif path in sequence_units:
                 _shard_sequence_unit(unit, sequence_mesh, mesh, policy, reshard)
             elif mesh is not None:
                 fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -57,6 +62,11 @@ def apply_fsdp(
     # head); it is gathered for the whole step anyway, so it is not resharded after forward.
     if mesh is not None:
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def _expert_modules(block: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+    # Their all-to-all backward already summed the gradients over ep; FSDP sums over the rest.
+    return [block.get_submodule(path).experts for path in plan.block_moe(block)]
 
 
 def _shard_sequence_unit(
@@ -70,18 +80,21 @@ def _shard_sequence_unit(
     # policy here would cast twice.
     unit_policy = policy if mesh is not None else MixedPrecisionPolicy()
     fully_shard(unit, mesh=sequence_mesh, mp_policy=unit_policy, reshard_after_forward=reshard)
-    _sum_gradients(unit, gradient_average_compensation(mesh))
+    _sum_gradients(unit, gradient_average_compensation(mesh), shard_ranks=sequence_mesh.size(-1))
 
 
-def _sum_gradients(unit: FSDPModule, loss_scale: int) -> None:
+def _sum_gradients(unit: FSDPModule, loss_scale: int, *, shard_ranks: int) -> None:
     """Gradients summed over the unit's whole mesh. The loss carries `loss_scale` (the data
     FSDP mesh's size, see `gradient_average_compensation`), which FSDP's default average over
     that mesh undoes; this unit's mesh is tp times larger, so its gradients are divided by
     `loss_scale` instead. torch 2.13 divides by a custom factor with PREMUL_SUM, which gloo
     lacks, unless forced to sum: then it reduce-scatters (and, for HSDP, all-reduces) with SUM
-    and divides the result by the factor (none for 1), exactly, on every backend."""
+    and divides the result by the factor (none for 1), exactly, on every backend. Not when the
+    unit is sharded over one rank (expert parallel without dp_shard or tp): there torch 2.13
+    divides a forced sum by the factor twice (once in its copy in place of the reduce-scatter,
+    once after it), and without it only once, with no PREMUL_SUM collective to run."""
     unit.set_gradient_divide_factor(float(loss_scale))
-    unit.set_force_sum_reduction_for_comms(True)
+    unit.set_force_sum_reduction_for_comms(shard_ranks > 1)
 
 
 def gradient_average_compensation(mesh: DeviceMesh | None) -> int:

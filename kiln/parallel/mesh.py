@@ -51,12 +51,12 @@ class ParallelContext:
         ) * self.degrees["ep"] + coords["ep"]
 
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """1-D mesh over dp_shard for FSDP, 2-D (dp_replicate, dp_shard) for HSDP, None if unsharded."""
-        if self.mesh is None or self.degrees["dp_shard"] * self.degrees["dp_replicate"] == 1:
+        """The FSDP mesh of the dense parameters: over the data ranks that shard (dp_shard, and
+        ep, whose ranks read other batches), 1-D for FSDP, 2-D (dp_replicate, shard) for HSDP;
+        None if unsharded."""
+        if self.mesh is None or self.data_ranks == 1:
             return None
-        if self.degrees["dp_replicate"] == 1:
-            return self.mesh["dp_shard"]
-        return self.mesh["dp_replicate", "dp_shard"]
+        return self._with_replicate(self._flat(("dp_shard", "ep")))
 
     def data_group(self) -> dist.ProcessGroup | None:
         """Group over which per-rank token counts and losses are summed."""
@@ -70,28 +70,50 @@ class ParallelContext:
     def sequence_fsdp_mesh(self) -> DeviceMesh | None:
         """The FSDP mesh of units that tensor parallel leaves whole (the plan's
         `block_sequence_units`): each tp rank runs them on its own part of the sequence, so they
-        are sharded over the data and tp ranks together: 1-D (dp_shard × tp), or 2-D
-        (dp_replicate, dp_shard × tp) for HSDP. None without tensor parallel."""
+        are sharded over the data and tp ranks together: 1-D (dp_shard × ep × tp), or 2-D
+        (dp_replicate, dp_shard × ep × tp) for HSDP. None without tensor parallel."""
         if self.mesh is None or self.degrees["tp"] == 1:
             return None
-        flat = self.mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-        if self.degrees["dp_replicate"] == 1:
-            return flat
-        return self.mesh["dp_replicate", "dp_shard_tp"]
+        return self._with_replicate(self._flat(("dp_shard", "ep", "tp")))
+
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The FSDP mesh of expert weights under expert parallel: each ep rank holds its own
+        experts, sharded over the other ranks holding different tokens (dp_shard × tp), 2-D with
+        dp_replicate for HSDP (a mesh of one rank when there are none). None without ep."""
+        if self.mesh is None or self.degrees["ep"] == 1:
+            return None
+        return self._with_replicate(self._flat(("dp_shard", "tp")))
+
+    def ep_mesh(self) -> DeviceMesh | None:
+        if self.mesh is None or self.degrees["ep"] == 1:
+            return None
+        return self.mesh["ep"]
 
     def token_group(self) -> dist.ProcessGroup | None:
         """Group of the ranks that hold different tokens of one micro-batch on this pipeline
-        rank: the data ranks and the tp ranks (other parts of the same sequences). Statistics
-        of the whole micro-batch (MoE expert loads) are summed over it."""
+        rank: the data ranks (ep included) and the tp ranks (other parts of the same sequences).
+        Statistics of the whole micro-batch (MoE expert loads) are summed over it."""
         if self.mesh is None or self.degrees["tp"] == 1:
             return self.data_group()
-        return self.mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp").get_group()
+        return self._flat(("dp_replicate", "dp_shard", "ep", "tp")).get_group()
 
     def tp_group(self) -> dist.ProcessGroup | None:
         """Group of the ranks holding the other parts of this rank's sequences."""
         if self.mesh is None or self.degrees["tp"] == 1:
             return None
         return self.mesh["tp"].get_group()
+
+    def _flat(self, dims: tuple[str, ...]) -> DeviceMesh:
+        """`dims` of the mesh flattened into one, named after them (the dim itself if one)."""
+        kept = tuple(d for d in dims if self.degrees[d] > 1) or dims[:1]
+        if len(kept) == 1:
+            return self.mesh[kept[0]]
+        return self.mesh[kept]._flatten("_".join(kept))
+
+    def _with_replicate(self, shard: DeviceMesh) -> DeviceMesh:
+        if self.degrees["dp_replicate"] == 1:
+            return shard
+        return self.mesh["dp_replicate", shard.mesh_dim_names[0]]
 
 
 def init_parallel(

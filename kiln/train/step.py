@@ -17,6 +17,7 @@ from kiln.config import JobConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
+from kiln.metrics.expert_parallel_records import ExpertParallelStep
 from kiln.metrics.idle_experts import IdleExperts
 from kiln.metrics.logger import warn
 from kiln.metrics.moe_records import MoEStep, moe_layer_names, moe_records
@@ -30,6 +31,7 @@ from kiln.model.moe import (
 )
 from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
+from kiln.parallel.expert_parallel import expert_parallel_stats
 from kiln.parallel.forward_backward import ForwardBackward
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import ParallelContext
@@ -111,11 +113,17 @@ class TrainStep:
         )
         # Each rank's loads are its token group's sums: one rank of each group says it.
         self.says_idle = self.token_group is None or dist.get_rank(self.token_group) == 0
+        stats = expert_parallel_stats(model_parts)
+        self.expert_parallel = (
+            ExpertParallelStep(stats, parallel.ep_mesh().get_group()) if stats else None
+        )
 
     def __call__(self, batch: StepBatch, *, step: int, flags: dict[str, bool]) -> StepResult:
         """Step number `step` (1-based) over `batch`; `flags` (stop, time_up, save_pending) are
         this rank's, agreed with the others' in the step's one small all-reduce."""
         self.nan_injection.start_step(step)
+        if self.expert_parallel is not None:
+            self.expert_parallel.start()
         micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in batch.micro_batches]
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
         valid = sum(count_valid(labels) for _, labels in micro_batches)
@@ -150,6 +158,8 @@ class TrainStep:
         lr = self._update(step, skip=agreed["non_finite"])
         if self.moe:
             self._end_moe_step(skipped=agreed["non_finite"])
+        if self.expert_parallel is not None:
+            self.expert_parallel.end()
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
         return StepResult(
             loss,
@@ -201,10 +211,12 @@ class TrainStep:
                     warn(message)
 
     def moe_records(self) -> dict[str, float]:
-        """The last step's MoE records (see `moe_records`); every rank calls it at once."""
+        """The last step's MoE records (see `moe_records`) and, under expert parallel, what its
+        all-to-alls moved; every rank calls it at once."""
         if self.moe_step is None:
             return {}
-        return moe_records(
+        moved = self.expert_parallel.records() if self.expert_parallel is not None else {}
+        return moved | moe_records(
             self.model_parts,
             self.moe_step,
             token_group=self.token_group,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,10 +39,16 @@ class GroupedExperts(nn.Module):
         """x (tokens, dim) sorted by expert, tokens_per_expert (experts,) -> (tokens, dim)."""
         dtype = compute_dtype(x)
         x = x.to(dtype)
-        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
         if self.use_grouped_mm and grouped_mm_applies(x, w1, w2):
             return _grouped(x, w1, w3, w2, tokens_per_expert)
         return _looped(x, w1, w3, w2, tokens_per_expert)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # Under expert parallel the weights are DTensors split over the experts: this rank's
+    # experts are its local slice, and the tokens it receives are for those.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
