@@ -106,6 +106,9 @@ class CheckpointManager:
         return StartPoint(SCRATCH)
 
     def _check_fingerprint(self, path: Path, saved: dict | None, current: dict) -> None:
+        if saved is not None and "model.num_experts" in saved:
+            # Not even under resume = 'force': the weights cannot load.
+            _check_expert_count(path, saved["model.num_experts"], self.model.num_experts)
         changes = fingerprint_changes(saved, current) if saved is not None else []
         if not changes:
             return
@@ -201,6 +204,26 @@ class CheckpointManager:
 
 # Settings a warm start may change: they do not change what the loaded weights compute.
 _FREE_MODEL_KEYS = ("preset", "init_std", "max_seq_len")
+
+
+def _check_expert_count(path: Path, saved: int, current: int) -> None:
+    """The expert weights are stacked (experts × …) tensors: another count cannot load, whatever
+    the layout, so a resume is refused even when forced."""
+    if saved == current:
+        return
+    held = (
+        f"a model with {saved} experts per MoE block (model.num_experts = {saved})"
+        if saved
+        else "a dense model (model.num_experts = 0)"
+    )
+    here = f"this model has {current}" if current else "this model is dense (0)"
+    raise ConfigError(
+        f"{path} holds {held}, but {here}: expert counts cannot change on resume, not even "
+        "with checkpoint.resume = 'force' (the expert weights would not load). Set "
+        f"model.num_experts = {saved} to continue this run, or start a new run in another "
+        "metrics.run_dir (or checkpoint.dir); to reuse the weights, convert them to the new "
+        "expert count first"
+    )
 
 
 def _check_same_model(path: Path, model: ModelConfig) -> None:

@@ -12,7 +12,7 @@ from kiln.config.pipeline import (
     num_stages,
 )
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
-from kiln.config.validate_moe import moe_problems
+from kiln.config.validate_moe import expert_parallel_problems, moe_problems
 from kiln.errors import ConfigError
 
 CHOICES = {
@@ -253,12 +253,7 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
             "distributed.cp > 1 (context parallel) is not built in this version; set distributed.cp = 1 "
             "(for long sequences use activation_checkpointing or a larger tp)"
         )
-    if d.ep > 1:
-        p.append(
-            "distributed.ep > 1 (expert parallel) is not built in this version; set distributed.ep = 1 "
-            "(a Mixture-of-Experts model keeps every expert on each rank, sharded by FSDP)"
-        )
-    return p
+    return p + expert_parallel_problems(cfg)
 
 
 def _pipeline_problems(cfg: JobConfig) -> list[str]:

@@ -1,7 +1,11 @@
-"""Checks of the Mixture-of-Experts keys of [model]; `validate.py` adds them to its model checks."""
+"""Checks of the Mixture-of-Experts keys of [model], which `validate.py` adds to its model checks,
+and of expert parallel (`distributed.ep`), which it adds to its layout checks."""
 
 from __future__ import annotations
 
+import tomllib
+
+from kiln.config.load import MODEL_PRESET_DIR
 from kiln.config.sections import JobConfig, ModelConfig
 
 MOE_ROUTERS = ("softmax_topk", "sigmoid")
@@ -42,8 +46,49 @@ def moe_problems(cfg: JobConfig) -> list[str]:
     if m.num_experts <= 0:
         return p + _dense_problems(m)
     # Every layout kiln builds trains MoE (tests/distributed/test_moe_parity.py): no layout
-    # problem of its own. Under tensor parallel each tp rank routes its part of the sequence.
+    # problem of its own but distributed.ep's (below). Under tensor parallel each tp rank routes
+    # its part of the sequence.
     return p + _routing_problems(m) + _layer_problems(m)
+
+
+def expert_parallel_problems(cfg: JobConfig) -> list[str]:
+    """`distributed.ep > 1` splits every MoE block's experts evenly over the ep ranks: the model
+    must have experts, and as many on each rank."""
+    ep, m = cfg.distributed.ep, cfg.model
+    if ep <= 1 or m.num_experts < 0:  # ep < 1 and num_experts < 0 are reported on their own
+        return []
+    if m.num_experts == 0:
+        preset = f"model.preset = {m.preset!r}" if m.preset else "no model.preset"
+        return [
+            f"distributed.ep = {ep} (expert parallel) splits the experts of a Mixture-of-Experts "
+            f"model over {ep} ranks, but this model is dense (model.num_experts = 0, {preset}): "
+            f"set distributed.ep = 1, or pick an MoE preset ({', '.join(moe_presets())})"
+        ]
+    if m.num_experts % ep:
+        divisors = [k for k in range(1, m.num_experts + 1) if m.num_experts % k == 0]
+        below = max(k for k in divisors if k < ep)
+        above = [k for k in divisors if k > ep]
+        nearest = f"{below} or {above[0]}" if above else str(below)
+        return [
+            f"distributed.ep = {ep} must divide model.num_experts = {m.num_experts} (each ep "
+            f"rank holds the same number of experts); choose distributed.ep from "
+            f"{', '.join(map(str, divisors))} (nearest: {nearest})"
+        ]
+    return []
+
+
+def moe_presets() -> list[str]:
+    """The shipped model presets that have experts."""
+    found = []
+    for path in sorted(MODEL_PRESET_DIR.glob("*.toml")):
+        try:
+            with path.open("rb") as f:
+                experts = tomllib.load(f).get("num_experts", 0)
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        if isinstance(experts, int) and experts > 0:
+            found.append(path.stem)
+    return found
 
 
 def _dense_problems(m: ModelConfig) -> list[str]:
