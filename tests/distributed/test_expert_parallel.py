@@ -1,12 +1,161 @@
-"""Expert parallel: the all-to-all dispatcher (exact against the local one) and the layouts'
-parity with one process (DESIGN §5)."""
+"""Expert parallel: the all-to-all dispatcher (exact against the local one) and every layout with
+`ep` against one process on the same global batch (DESIGN §5): loss, gradient norm, every
+parameter's gradient norm and the MoE records (expert biases and loads equal, balancing losses
+within the parity tolerance), for both routers, with and without full activation checkpointing
+and with a capacity factor; then checkpoints saved at ep=2 × dp_shard=2 resumed at other expert
+degrees and in one process.
+
+Routers: softmax top-k with the Switch load-balance loss and the router z-loss (no shared
+expert, as Mixtral), and sigmoid scores with auxiliary-loss-free bias balancing, the sequence-wise
+loss and a shared expert (as DeepSeek-V3). The Switch loss takes its expert fractions from the
+counts of a whole micro-batch, summed over the ranks that hold it; the ep ranks read different
+sequences, so one process matches where its micro-batches are those unions: batch 8 against
+ep × dp ranks reading 8 sequences together. Where they are not (a pipeline splits each rank's
+batch into micro-batches; a capacity factor drops per rank, so its reference runs each rank's
+sequences as a micro-batch of their own), the Switch loss is off and its logged value, taken
+over other micro-batches than one process's, is not compared."""
 
 import pytest
 
 from tests.distributed.expert_dispatch_worker import check_dispatch
+from tests.distributed.parity import assert_parity, records
+from tests.distributed.test_moe_parity import moe_mismatches
+
+SOFTMAX = (
+    "--model.preset=debug_moe",
+    "--model.moe_shared_experts=0",
+    "--model.moe_aux_loss_weight=0.01",
+    "--model.moe_router_z_loss_weight=0.001",
+)
+SIGMOID = (
+    "--model.preset=debug_moe",
+    "--model.moe_router=sigmoid",
+    "--model.moe_shared_experts=1",
+    "--model.moe_aux_loss_weight=0",
+    "--model.moe_seq_aux_loss_weight=0.01",
+    "--model.moe_router_z_loss_weight=0",
+    "--model.moe_bias_update_rate=0.01",
+)
+NO_SWITCH_LOSS = ("--model.moe_aux_loss_weight=0",)
+WHOLE_BATCH = ("--train.batch_size=8",)
+L4 = ("--model.n_layers=4",)
+PIPELINE = ("--distributed.pp=2", "--distributed.pp_microbatches=2", "--train.batch_size=4", *L4)
+
+# name: (processes, overrides, router, reference overrides)
+LAYOUTS = {
+    "ep=2": (2, ["--distributed.ep=2", "--train.batch_size=4"], SOFTMAX, WHOLE_BATCH),
+    "ep=2, sigmoid router": (
+        2,
+        ["--distributed.ep=2", "--train.batch_size=4"],
+        SIGMOID,
+        WHOLE_BATCH,
+    ),
+    "ep=4": (4, ["--distributed.ep=4", "--train.batch_size=2"], SIGMOID, WHOLE_BATCH),
+    "ep=2 x dp_shard=2": (
+        4,
+        ["--distributed.ep=2", "--distributed.dp_shard=2", "--train.batch_size=2"],
+        SOFTMAX,
+        WHOLE_BATCH,
+    ),
+    "ep=2 x dp_replicate=2": (
+        4,
+        ["--distributed.ep=2", "--distributed.dp_replicate=2", "--train.batch_size=2"],
+        SIGMOID,
+        WHOLE_BATCH,
+    ),
+    "ep=2 x tp=2": (
+        4,
+        ["--distributed.ep=2", "--distributed.tp=2", "--train.batch_size=4"],
+        SOFTMAX,
+        WHOLE_BATCH,
+    ),
+    "ep=2 x pp=2 1f1b": (
+        4,
+        ["--distributed.ep=2", *PIPELINE, "--distributed.pp_schedule=1f1b"],
+        (*SOFTMAX, *NO_SWITCH_LOSS),
+        (*WHOLE_BATCH, *L4),
+    ),
+    "ep=2 x pp=2 interleaved_1f1b": (
+        4,
+        [
+            "--distributed.ep=2",
+            *PIPELINE,
+            "--distributed.pp_schedule=interleaved_1f1b",
+            "--distributed.pp_virtual_stages=2",
+        ],
+        SIGMOID,
+        (*WHOLE_BATCH, *L4),
+    ),
+    "ep=2 x tp=2 x dp_shard=2": (
+        8,
+        [
+            "--distributed.ep=2",
+            "--distributed.tp=2",
+            "--distributed.dp_shard=2",
+            "--train.batch_size=2",
+        ],
+        SIGMOID,
+        WHOLE_BATCH,
+    ),
+    "ep=2, full AC": (
+        2,
+        ["--distributed.ep=2", "--train.batch_size=4", "--train.activation_checkpointing=full"],
+        SOFTMAX,
+        WHOLE_BATCH,
+    ),
+    "ep=2, full AC, sigmoid router": (
+        2,
+        ["--distributed.ep=2", "--train.batch_size=4", "--train.activation_checkpointing=full"],
+        SIGMOID,
+        WHOLE_BATCH,
+    ),
+    # Each rank's 4 sequences are the reference's micro-batch: the same tokens compete for the
+    # same capacity (ceil(1.0 · 256 · 2 / 8) = 64 assignments per expert).
+    "ep=2, capacity factor 1.0": (
+        2,
+        ["--distributed.ep=2", "--train.batch_size=4"],
+        (*SOFTMAX, *NO_SWITCH_LOSS, "--model.moe_capacity_factor=1.0"),
+        ("--train.batch_size=4", "--train.grad_accum_steps=2"),
+    ),
+}
+
+
+# Layouts whose micro-batches are not one process's (see the module doc).
+OTHER_MICRO_BATCHES = {
+    "ep=2 x pp=2 1f1b",
+    "ep=2 x pp=2 interleaved_1f1b",
+    "ep=2, capacity factor 1.0",
+}
+
+
+def assert_expert_parallel_parity(got, expected, *, switch_loss_compared=True):
+    assert_parity(got, expected)
+    not_compared = set() if switch_loss_compared else {"moe/load_balance_loss"}
+    for step in expected:
+        found = moe_mismatches(got[step], expected[step])
+        assert not set(found) - not_compared, f"step {step}: MoE records differ: {found}"
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 @pytest.mark.parametrize("capacity", [0.0, 1.0])
 def test_all_to_all_dispatch_equals_local_dispatch(nproc, capacity, gangs):
     gangs.run(nproc, check_dispatch, capacity)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_expert_parallel_layout_matches_one_process(layout, runs):
+    nproc, overrides, router, reference_overrides = LAYOUTS[layout]
+    got = records(runs(nproc, *overrides, *router))
+    expected = records(runs(1, *reference_overrides, *router))
+    assert_expert_parallel_parity(
+        got, expected, switch_loss_compared=layout not in OTHER_MICRO_BATCHES
+    )
+    ep = int(next(o for o in overrides if o.startswith("--distributed.ep=")).split("=")[1])
+    # The exchanges moved something, and each rank received what the others sent it.
+    last = got[max(got)]
+    assert len(last["ep/sent_tokens"]) == ep and sum(last["ep/sent_tokens"]) > 0
+    assert sum(last["ep/sent_tokens"]) == sum(last["ep/received_tokens"])
+    assert sum(last["ep/sent_bytes"]) == sum(last["ep/received_bytes"])
+    if "--model.moe_capacity_factor=1.0" in router:
+        # Some expert got more than the mean, so more than its capacity: tokens were dropped.
+        assert max(expected[step]["moe/imbalance_max"] for step in expected) > 1.0

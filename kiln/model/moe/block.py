@@ -104,7 +104,7 @@ class MoEFeedForward(nn.Module):
     def _loss_sums(self, route: RouterOutput, *, sequences: int) -> dict[str, torch.Tensor]:
         probs = normalized_scores(route.scores)
         counts = route.counts
-        reduce_counts = self._count_reduction("load_balance", self.aux_scale.reduce_counts)
+        reduce_counts = self._count_reduction(self.aux_scale.reduce_counts)
         if reduce_counts is not None:
             counts = reduce_counts(counts)
         experts, top_k = probs.shape[-1], route.indices.shape[-1]
@@ -113,17 +113,16 @@ class MoEFeedForward(nn.Module):
             "seq_balance": sequence_balance_sum(
                 probs.view(sequences, -1, experts),
                 route.indices.view(sequences, -1, top_k),
-                self._count_reduction("seq_balance", self.aux_scale.reduce_sequence_counts),
+                self._count_reduction(self.aux_scale.reduce_sequence_counts),
             ),
             "router_z": router_z_sum(route.logits),
         }
 
-    def _count_reduction(self, loss: str, reduce: Callable | None) -> Callable | None:
-        # Counts over a larger group cost a collective: only for a loss that is on and a forward
-        # that trains (every rank of the group runs the same training forwards, in one order).
-        if self.aux_weights[loss] > 0 and torch.is_grad_enabled():
-            return reduce
-        return None
+    def _count_reduction(self, reduce: Callable | None) -> Callable | None:
+        # Counts over a larger group cost a collective: only in a forward that trains (every rank
+        # of the group runs the same training forwards, in one order). Also for a loss whose
+        # weight is off: its logged value must not depend on the layout either.
+        return reduce if torch.is_grad_enabled() else None
 
     def init_buffers(self) -> None:
         self.router.init_buffers()
