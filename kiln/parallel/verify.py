@@ -1,10 +1,11 @@
 """`kiln verify`: prove a layout computes what one process computes, on a small proxy of the model.
 
-The proxy keeps everything a layout's rules depend on (head and KV-head counts, the layout, the
-pipeline schedule, activation checkpointing, compile, gradient accumulation) and shrinks the rest
-(two layers per pipeline stage, head dim 16, sequence 64, one sequence per data rank or per
-pipeline micro-batch), trains it in fp32 on the CPU on the built-in corpus in the configured layout and in
-one process on the same global batch, and compares loss and gradient norm step by step.
+The proxy keeps everything a layout's rules depend on (head and KV-head counts, expert count and
+top-k, the layout, the pipeline schedule, activation checkpointing, compile, gradient
+accumulation) and shrinks the rest (two layers per pipeline stage, head dim 16, 32 hidden units
+per expert, sequence 64, one sequence per data rank or per pipeline micro-batch), trains it in
+fp32 on the CPU on the built-in corpus in the configured layout and in one process on the same
+global batch, and compares loss and gradient norm step by step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
 from kiln.config.pipeline import num_stages
-from kiln.config.sections import DataConfig, DistributedConfig
+from kiln.config.sections import DataConfig, DistributedConfig, ModelConfig
 from kiln.config.validate import LAYOUT_DIMS
 from kiln.errors import KilnError
 
@@ -46,6 +47,8 @@ def proxy_config(
     m.dim = 16 * m.n_heads
     m.ffn_hidden_dim = 4 * m.dim
     m.vocab_size, m.max_seq_len = 4096, 64
+    if m.num_experts > 0:
+        _shrink_experts(m, pipelined=cfg.distributed.pp > 1)
     t = proxy.train
     # One sequence per data rank, or per pipeline micro-batch.
     pipelined = cfg.distributed.pp > 1
@@ -65,6 +68,19 @@ def proxy_config(
     proxy.metrics.run_dir, proxy.metrics.log_interval, proxy.metrics.plot = str(run_dir), 1, False
     validate(proxy, world_size)
     return proxy
+
+
+def _shrink_experts(m: ModelConfig, *, pipelined: bool) -> None:
+    """Keep what routing and expert parallel depend on (expert count, top-k, groups, router,
+    capacity factor, shared experts, balancing) and shrink the experts: 32 hidden units each, and
+    an MoE layer in every proxy block but the first when the model has dense blocks."""
+    m.moe_ffn_hidden_dim = 32
+    m.moe_first_dense_layers = min(m.moe_first_dense_layers, 1)
+    m.moe_frequency = 1
+    if pipelined:
+        # The Switch loss takes its expert fractions over one micro-batch on all data ranks; a
+        # pipeline's micro-batches are no micro-batch of one process, which could not match.
+        m.moe_aux_loss_weight = 0.0
 
 
 def single_process_twin(proxy: JobConfig, world_size: int) -> JobConfig:
@@ -122,8 +138,9 @@ def _report(
 ) -> bool:
     degrees = resolve_layout(proxy.distributed, world_size)
     m = proxy.model
+    experts = f", {m.num_experts} experts top-{m.moe_top_k}" if m.num_experts > 0 else ""
     print(
-        f"proxy: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads / {m.n_kv_heads} KV heads, seq {proxy.train.seq_len}"
+        f"proxy: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads / {m.n_kv_heads} KV heads{experts}, seq {proxy.train.seq_len}"
     )
     print(
         "layout: "

@@ -16,9 +16,13 @@ sequences as a micro-batch of their own), the Switch loss is off and its logged 
 over other micro-batches than one process's, is not compared."""
 
 import pytest
+import torch
 
+from kiln.checkpoint import load_checkpoint, read_model_config, resolve_checkpoint
+from kiln.checkpoint.hf_convert import kiln_to_hf
+from kiln.model import build_model, materialize
 from tests.distributed.expert_dispatch_worker import check_dispatch
-from tests.distributed.parity import assert_parity, records
+from tests.distributed.parity import SAVE, STEPS, assert_parity, copy_to_resume, records
 from tests.distributed.test_moe_parity import moe_mismatches
 
 SOFTMAX = (
@@ -51,9 +55,10 @@ LAYOUTS = {
         WHOLE_BATCH,
     ),
     "ep=4": (4, ["--distributed.ep=4", "--train.batch_size=2"], SIGMOID, WHOLE_BATCH),
+    # Saves checkpoints, which other expert degrees resume from.
     "ep=2 x dp_shard=2": (
         4,
-        ["--distributed.ep=2", "--distributed.dp_shard=2", "--train.batch_size=2"],
+        ["--distributed.ep=2", "--distributed.dp_shard=2", "--train.batch_size=2", SAVE],
         SOFTMAX,
         WHOLE_BATCH,
     ),
@@ -128,10 +133,12 @@ OTHER_MICRO_BATCHES = {
 }
 
 
-def assert_expert_parallel_parity(got, expected, *, switch_loss_compared=True):
-    assert_parity(got, expected)
+def assert_expert_parallel_parity(
+    got, expected, *, switch_loss_compared=True, steps=range(1, STEPS + 1)
+):
+    assert_parity(got, expected, steps=steps)
     not_compared = set() if switch_loss_compared else {"moe/load_balance_loss"}
-    for step in expected:
+    for step in steps:
         found = moe_mismatches(got[step], expected[step])
         assert not set(found) - not_compared, f"step {step}: MoE records differ: {found}"
 
@@ -159,3 +166,53 @@ def test_expert_parallel_layout_matches_one_process(layout, runs):
     if "--model.moe_capacity_factor=1.0" in router:
         # Some expert got more than the mean, so more than its capacity: tokens were dropped.
         assert max(expected[step]["moe/imbalance_max"] for step in expected) > 1.0
+
+
+# Saved by the ep=2 x dp_shard=2 run (its checkpoint at step 5), resumed at step 6.
+RESUMED_IN = {
+    "ep=4": (4, ["--distributed.ep=4", "--train.batch_size=2"]),
+    "ep=1 x dp_shard=4": (4, ["--distributed.dp_shard=4", "--train.batch_size=2"]),
+    "one process": (1, ["--train.batch_size=8"]),
+}
+
+
+@pytest.mark.parametrize("layout", RESUMED_IN, ids=list(RESUMED_IN))
+def test_checkpoint_resumes_at_another_expert_degree(layout, runs, train, tmp_path):
+    nproc, overrides, router, reference_overrides = LAYOUTS["ep=2 x dp_shard=2"]
+    run = tmp_path / "run"
+    step_5 = copy_to_resume(runs(nproc, *overrides, *router), run)
+    assert len(list(step_5.glob("*.distcp"))) == 4
+    nproc, overrides = RESUMED_IN[layout]
+    (output, *_) = train(run, nproc, *overrides, *router)
+    assert f"kiln: resumed from {step_5} (step 5)" in output
+    expected = records(runs(1, *reference_overrides, *router))
+    assert_expert_parallel_parity(records(run), expected, steps=range(6, STEPS + 1))
+
+
+# debug_moe shaped as each family can express it (Mixtral: every block MoE; Qwen3-MoE: q/k norms).
+EXPORTS = {
+    "MixtralForCausalLM": ("--model.moe_first_dense_layers=0", "--model.moe_shared_experts=0"),
+    "Qwen3MoeForCausalLM": ("--model.qk_norm=true", "--model.moe_shared_experts=0"),
+}
+
+
+@pytest.mark.parametrize("hf_class", EXPORTS)
+def test_hf_export_of_an_expert_parallel_checkpoint(hf_class, train, tmp_path):
+    """Trained 2 steps at ep=2 × dp_shard=2 (each rank holding half the experts, sharded again
+    by FSDP), exported with `kiln convert kiln-to-hf`: transformers gives kiln's logits."""
+    transformers = pytest.importorskip("transformers")
+    run = tmp_path / "run"
+    layout = ("--distributed.ep=2", "--distributed.dp_shard=2", "--train.batch_size=1")
+    short = ("--train.seq_len=32", "--checkpoint.interval=2", "--scheduler.warmup_steps=1")
+    train(run, 4, "--model.preset=debug_moe", *EXPORTS[hf_class], *layout, *short, steps=2)
+    step_dir = resolve_checkpoint(run / "checkpoints")
+    out = kiln_to_hf(run / "checkpoints", tmp_path / "hf")
+    cfg = read_model_config(step_dir)
+    kiln_model = materialize(build_model(cfg), device="cpu", seed=None)
+    load_checkpoint(step_dir, model=kiln_model)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert type(hf_model).__name__ == hf_class
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf_model.eval()(tokens).logits - kiln_model.eval()(tokens)).abs().max().item()
+    assert diff <= 1e-4

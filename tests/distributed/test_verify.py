@@ -31,10 +31,22 @@ def verify(demo_data, tmp_path, *extra, env=None, recipe=DEBUG_CONFIG, steps=4):
     )
 
 
-def test_verify_passes_hsdp(demo_data, tmp_path):
-    result = verify(demo_data, tmp_path, "--world-size", "4", "--distributed.dp_replicate=2")
+def test_verify_passes_hsdp_with_expert_parallel(demo_data, tmp_path):
+    """The MoE recipe under HSDP × ep: the proxy keeps the 8 experts and top 2."""
+    recipe = REPO / "configs" / "train" / "debug_moe.toml"
+    layout = ["--distributed.dp_replicate=2", "--distributed.dp_shard=1", "--distributed.ep=2"]
+    result = verify(demo_data, tmp_path, "--world-size", "4", *layout, recipe=recipe)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "PASS" in result.stdout and "dp_replicate=2 × dp_shard=2" in result.stdout
+    assert "PASS" in result.stdout and "8 experts top-2" in result.stdout
+    assert "dp_replicate=2" in result.stdout and "ep=2" in result.stdout
+
+
+def test_the_proxy_of_a_large_moe_recipe_keeps_experts_and_top_k(tmp_path):
+    cfg = load_config(REPO / "configs" / "train" / "moe_ep_32gpu.toml")
+    proxy = proxy_config(cfg, 32, steps=2, run_dir=tmp_path, data_path="demo")
+    m, full = proxy.model, cfg.model
+    assert (m.num_experts, m.moe_top_k) == (full.num_experts, full.moe_top_k)
+    assert m.moe_ffn_hidden_dim == 32 and (proxy.distributed.ep, proxy.distributed.tp) == (2, 4)
 
 
 def test_averaged_instead_of_summed_gradients_are_caught(demo_data, tmp_path):
