@@ -49,6 +49,11 @@ class MetricsLogger:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         if r.get("peak_mem_gb") is not None:
             parts.append(f"mem {r['peak_mem_gb']:.1f}GB")
+        if r.get("ep/all_to_all_share") is not None:
+            # The most any rank of the ep group spent in the exchanges (waits for the others
+            # included), and the most it sent.
+            share, sent = max(r["ep/all_to_all_share"]), max(r["ep/sent_tokens"])
+            parts.append(f"all-to-all {100 * share:.0f}% of step, {sent:,} tokens out")
         return " | ".join(parts)
 
 
