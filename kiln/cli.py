@@ -272,7 +272,7 @@ def cmd_check(args) -> int:
     )
     # MoE: every expert has weights, gradients and moments; a token's activations are its top k's.
     experts = (
-        (f" of all {cfg.model.num_experts} experts", f"top-{cfg.model.moe_top_k} experts, ")
+        (_expert_state_label(cfg.model, layout), f"top-{cfg.model.moe_top_k} experts, ")
         if cfg.model.num_experts > 0
         else ("", "")
     )
@@ -281,6 +281,10 @@ def cmd_check(args) -> int:
         f" (fp32 weights, grads, AdamW{experts[0]}) + activations {memory.activations / 2**30:.1f} GiB"
         f" ({experts[1]}activation_checkpointing = {cfg.train.activation_checkpointing!r})"
     )
+    if cfg.model.num_experts > 0:
+        note = _expert_padding_note(cfg.model, layout)
+        if note:
+            print(f"# {note}")
     if layout["pp"] > 1:
         print(f"# pipeline: {pipeline_summary(cfg)}")
     if not args.config_only:
@@ -288,6 +292,32 @@ def cmd_check(args) -> int:
             print(f"# {note}")
     print("# config OK")
     return 0
+
+
+def _expert_state_label(model, layout: dict[str, int]) -> str:
+    """What the model state counts of the routed experts: all of them, or an ep rank's share."""
+    if layout["ep"] == 1:
+        return f" of all {model.num_experts} experts"
+    local = model.num_experts // layout["ep"]
+    return f" of this ep rank's {local} of {model.num_experts} experts"
+
+
+def _expert_padding_note(model, layout: dict[str, int]) -> str | None:
+    """When FSDP's ranks do not divide an ep rank's experts, it cuts them into whole-expert
+    chunks and pads the short ones: say so, it is where the estimate rounds up."""
+    from kiln.metrics.memory import expert_shards
+
+    local, ranks, stored = expert_shards(model, layout)
+    if local % ranks == 0:
+        return None
+    holding = -(-local // stored)
+    owner = f"each ep rank's {local}" if layout["ep"] > 1 else f"the {local}"
+    return (
+        f"experts: FSDP shards {owner} experts of an MoE layer over {ranks} ranks (dp_shard × tp) "
+        f"in chunks of {stored} whole expert{'s' if stored > 1 else ''}: {holding} of those ranks "
+        f"hold experts, and every rank stores a whole chunk of weights and gradients, padding "
+        f"where it holds fewer; the estimate counts the busiest rank, {stored} per MoE layer"
+    )
 
 
 def cmd_verify(args) -> int:

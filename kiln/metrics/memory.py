@@ -1,8 +1,16 @@
 """Back-of-the-envelope memory per GPU for `kiln check`: model state plus activations.
 
 Model state: fp32 weights, gradients and two AdamW moments (16 bytes per parameter), divided
-over every dimension that shards parameters (dp_shard, cp, tp, pp). With MoE every expert
-counts: a token uses only its top-k, but every expert has weights, gradients and moments.
+over every dimension that shards parameters: dp_shard, ep (its ranks read other batches, so FSDP
+shards the dense parameters over dp_shard × ep), cp, tp, pp. With MoE every expert counts: a
+token uses only its top-k, but every expert has weights, gradients and moments. The routed
+experts are counted apart (`expert_shards`): ep gives each rank E/ep experts of every MoE layer,
+and FSDP shards that slice along the expert dimension over dp_shard × cp × tp. FSDP2 cuts that
+dimension into chunks of ceil(E/ep / those ranks) experts and every rank stores a whole chunk's
+weights and gradients, padded where its chunk is short or empty (AdamW's moments cover only what
+it holds), so with fewer experts than ranks the
+busiest rank holds one whole expert of each layer, not a fraction of one: the estimate counts
+that rank.
 Activations, bf16, per transformer layer and micro-batch (Korthikanti et al. 2022, with flash
 attention so no seq² term, sequence parallel dividing everything by tp): ~34·s·b·d bytes kept
 for backward without checkpointing, 2·s·b·d (the block input) with it; a checkpointed run
@@ -66,10 +74,37 @@ def layer_bytes_per_token(m: ModelConfig, *, moe: bool) -> float:
     return (DENSE_LAYER_BYTES - DENSE_FFN_BYTES) * m.dim + moe_ffn_bytes_per_token(m)
 
 
+def expert_shards(m: ModelConfig, degrees: dict[str, int]) -> tuple[int, int, int]:
+    """How the routed experts of one MoE layer are split: (experts on each ep rank, the ranks
+    FSDP shards them over, along the expert dimension, and the experts the busiest rank stores)."""
+    local = m.num_experts // degrees["ep"]
+    ranks = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
+    return local, ranks, math.ceil(local / ranks)
+
+
+def routed_expert_params(m: ModelConfig) -> int:
+    """Parameters of every routed expert of every MoE layer (w1, w2, w3 each)."""
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    return moe_layers * m.num_experts * 3 * m.dim * m.expert_hidden_dim
+
+
+def model_state_bytes(m: ModelConfig, degrees: dict[str, int]) -> float:
+    """fp32 weights, gradients and AdamW moments one rank holds (the busiest, for the experts)."""
+    experts = routed_expert_params(m) if m.num_experts > 0 else 0
+    # Dense parameters (and an MoE layer's router and shared experts): TP splits them (those it
+    # applies to), FSDP shards them over dp_shard × ep (and the tp ranks for what TP leaves
+    # whole), pipeline stages split the layers.
+    dense_shards = degrees["dp_shard"] * degrees["ep"] * degrees["cp"] * degrees["tp"]
+    dense = (count_params(m).total - experts) / (dense_shards * degrees["pp"])
+    if not experts:
+        return 16 * dense
+    _, _, stored = expert_shards(m, degrees)
+    return 16 * (dense + experts * stored / m.num_experts / degrees["pp"])
+
+
 def estimate_memory(cfg: JobConfig, degrees: dict[str, int]) -> MemoryEstimate:
     m, t = cfg.model, cfg.train
-    shards = degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
-    model_state = 16 * count_params(m).total / shards
+    model_state = model_state_bytes(m, degrees)
     # Under pipeline parallel a pass is split into micro-batches, several of them in flight.
     n_micro = microbatches(cfg.distributed, t.batch_size) if degrees["pp"] > 1 else 1
     in_flight = in_flight_microbatches(cfg.distributed, n_micro)
