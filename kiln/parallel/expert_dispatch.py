@@ -79,6 +79,9 @@ class AllToAllDispatcher:
         self.group, self.stats = group, stats
         self.rank = dist.get_rank(group)
 
+    # Under torch.compile the exchanges run eagerly between the compiled parts of the block: the
+    # split sizes are read on the host and the collectives take lists of them.
+    @torch.compiler.disable
     def dispatch(
         self, x: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, ExpertParallelState]:
@@ -97,6 +100,7 @@ class AllToAllDispatcher:
         state = ExpertParallelState(local, order, sent, received)
         return arrived[order], counts_by_source.sum(dim=0), state
 
+    @torch.compiler.disable
     def combine(
         self, expert_out: torch.Tensor, weights: torch.Tensor, state: ExpertParallelState
     ) -> torch.Tensor:
