@@ -2,7 +2,7 @@
 
 - `ep/sent_tokens`, `ep/received_tokens`: token copies (a token once per expert it is routed
   to) that this rank's dispatches sent to / received from other ep ranks, counted from the
-  routing, forward only;
+  routing once per training forward (not again when activation checkpointing repeats it);
 - `ep/sent_bytes`, `ep/received_bytes`: what the row exchanges moved off / onto the rank:
   dispatch and combine, forward and backward, and the forwards activation checkpointing repeats;
 - `ep/all_to_all_ms` and `ep/all_to_all_share`: the time inside the exchanges (count exchanges

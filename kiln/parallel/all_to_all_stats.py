@@ -1,8 +1,8 @@
 """What one rank's expert-parallel all-to-alls moved in a step, and the time they took.
 
-Token copies are counted once per dispatch (the routing's own figure); bytes and time cover
-every row exchange, forward and backward (and the forwards activation checkpointing repeats),
-plus the small count exchange in the time. Only rows that leave or reach this rank count: a
+Token copies are counted once per training dispatch (the routing's own figure: not again when
+activation checkpointing repeats the forward); bytes and time cover every row exchange, forward
+and backward, repeated forwards included, plus the small count exchange in the time. Only rows that leave or reach this rank count: a
 rank's rows for its own experts stay in memory.
 
 On CUDA the collectives run on their stream and the host does not wait for them, so the time

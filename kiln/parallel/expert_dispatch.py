@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.model.moe.dispatch import DispatchState, LocalDispatcher
+from kiln.model.moe.router import is_training_forward
 from kiln.parallel.all_to_all_stats import AllToAllStats
 
 
@@ -94,7 +95,8 @@ class AllToAllDispatcher:
         counts_by_source = counts_by_source.view(self.ranks, self.local_experts)
         sent = counts.view(self.ranks, self.local_experts).sum(dim=1).tolist()
         received = counts_by_source.sum(dim=1).tolist()
-        self.stats.count_tokens(sent=sent, received=received, rank=self.rank)
+        if is_training_forward():  # not the recompute of a checkpointed block
+            self.stats.count_tokens(sent=sent, received=received, rank=self.rank)
         arrived = _AllToAll.apply(rows, received, sent, self.group, self.stats)
         order = expert_major_order(counts_by_source)
         state = ExpertParallelState(local, order, sent, received)

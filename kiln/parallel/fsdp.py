@@ -13,9 +13,12 @@ see other tokens on every tp rank, so they are sharded over the data and tp rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from kiln.model.parallel_plan import ParallelPlan
 from kiln.parallel.mutations import mutation_on
@@ -44,18 +47,26 @@ def apply_fsdp(
         # Activation checkpointing wraps the block; the plan names modules of the block itself.
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         sequence_units = set(plan.block_sequence_units(inner)) if sequence_mesh else set()
-        experts = _expert_modules(inner, plan) if expert_mesh else []
+        experts = _expert_modules(inner, plan)
         # The backward starts with the last block right after its forward (only the head and
         # the loss run between): resharding it would only all-gather the same parameters again.
         reshard = reshard_after_forward and not pipelined and index < len(blocks) - 1
         for path in plan.block_fsdp_units(inner):
             unit = inner.get_submodule(path)
-            if any(unit is e for e in experts):
-                _shard_sequence_unit(unit, expert_mesh, mesh, policy, reshard)
+            is_experts = any(unit is e for e in experts)
+            if is_experts and expert_mesh is not None:
+                _shard_sequence_unit(unit, expert_mesh, mesh, policy, reshard, experts=True)
             elif path in sequence_units:
-                _shard_sequence_unit(unit, sequence_mesh, mesh, policy, reshard)
+                _shard_sequence_unit(unit, sequence_mesh, mesh, policy, reshard, experts=is_experts)
             elif mesh is not None:
-                fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+                placement = _within_experts(mesh.size(-1)) if is_experts else None
+                fully_shard(
+                    unit,
+                    mesh=mesh,
+                    mp_policy=policy,
+                    reshard_after_forward=reshard,
+                    shard_placement_fn=placement,
+                )
         if mesh is not None:
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     # The root unit holds what is outside the blocks (for Llama embeddings, final norm and output
@@ -65,8 +76,22 @@ def apply_fsdp(
 
 
 def _expert_modules(block: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
-    # Their all-to-all backward already summed the gradients over ep; FSDP sums over the rest.
+    # Under expert parallel their all-to-all backward already summed the gradients over ep;
+    # FSDP sums over the rest.
     return [block.get_submodule(path).experts for path in plan.block_moe(block)]
+
+
+def _within_experts(ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """Where FSDP splits a stacked expert weight (experts, rows, cols) over `ranks`: by default it
+    would split dim 0, the experts, in whole experts, so with fewer experts (per ep rank) than
+    ranks some ranks hold one whole expert of padding and the rest nothing, and memory does not
+    shrink with the ranks. Splitting every expert's rows gives each rank 1/ranks of each; FSDP
+    splits a dim other than 0 only evenly, so rows that do not divide keep the default."""
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return Shard(1) if param.shape[1] % ranks == 0 else None
+
+    return placement
 
 
 def _shard_sequence_unit(
@@ -75,11 +100,19 @@ def _shard_sequence_unit(
     mesh: DeviceMesh | None,
     policy: MixedPrecisionPolicy,
     reshard: bool,
+    *,
+    experts: bool,
 ) -> None:
     # Without data parallel the forward runs under autocast (mixed_precision.py): a casting
     # policy here would cast twice.
     unit_policy = policy if mesh is not None else MixedPrecisionPolicy()
-    fully_shard(unit, mesh=sequence_mesh, mp_policy=unit_policy, reshard_after_forward=reshard)
+    fully_shard(
+        unit,
+        mesh=sequence_mesh,
+        mp_policy=unit_policy,
+        reshard_after_forward=reshard,
+        shard_placement_fn=_within_experts(sequence_mesh.size(-1)) if experts else None,
+    )
     _sum_gradients(unit, gradient_average_compensation(mesh), shard_ranks=sequence_mesh.size(-1))
 
 

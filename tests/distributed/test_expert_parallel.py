@@ -168,6 +168,24 @@ def test_expert_parallel_layout_matches_one_process(layout, runs):
         assert max(expected[step]["moe/imbalance_max"] for step in expected) > 1.0
 
 
+def test_recomputed_forwards_count_no_tokens_but_move_bytes(runs):
+    """Full activation checkpointing repeats each block's forward, exchanges included, in the
+    backward: the same routing, so the same token counts as without it, and half as many bytes
+    again (the forward's two exchanges of the four). Rows of 128 fp32 numbers."""
+    plain, recomputed = (layout_records(runs, name) for name in ("ep=2", "ep=2, full AC"))
+    for step in plain:
+        sent, received = plain[step]["ep/sent_tokens"], plain[step]["ep/received_tokens"]
+        assert recomputed[step]["ep/sent_tokens"] == sent
+        moved = [(s + r) * 128 * 4 for s, r in zip(sent, received, strict=True)]
+        assert plain[step]["ep/sent_bytes"] == [2 * m for m in moved]
+        assert recomputed[step]["ep/sent_bytes"] == [3 * m for m in moved]
+
+
+def layout_records(runs, name):
+    nproc, overrides, router, _ = LAYOUTS[name]
+    return records(runs(nproc, *overrides, *router))
+
+
 # Saved by the ep=2 x dp_shard=2 run (its checkpoint at step 5), resumed at step 6.
 RESUMED_IN = {
     "ep=4": (4, ["--distributed.ep=4", "--train.batch_size=2"]),
