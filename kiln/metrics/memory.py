@@ -5,12 +5,14 @@ over every dimension that shards parameters: dp_shard, ep (its ranks read other 
 shards the dense parameters over dp_shard × ep), cp, tp, pp. With MoE every expert counts: a
 token uses only its top-k, but every expert has weights, gradients and moments. The routed
 experts are counted apart (`expert_shards`): ep gives each rank E/ep experts of every MoE layer,
-and FSDP shards that slice along the expert dimension over dp_shard × cp × tp. FSDP2 cuts that
-dimension into chunks of ceil(E/ep / those ranks) experts and every rank stores a whole chunk's
-weights and gradients, padded where its chunk is short or empty (AdamW's moments cover only what
-it holds), so with fewer experts than ranks the
-busiest rank holds one whole expert of each layer, not a fraction of one: the estimate counts
-that rank.
+and FSDP shards that slice over dp_shard × cp × tp (kiln/parallel/fsdp.py). It splits each
+expert's rows (dim 1 of the stacked weights: hidden for w1 and w3, dim for w2) when they divide
+by those ranks, so every rank holds (E/ep) / ranks of the experts' weights, a fraction of each.
+A weight whose rows do not divide keeps FSDP2's default, the expert dimension, cut into chunks of
+ceil(E/ep / ranks) whole experts; every rank stores a whole chunk of that weight and its
+gradient, padded where its chunk is short or empty (AdamW's moments cover only what it holds),
+so with fewer experts than ranks the busiest rank holds one whole expert of it per layer, not a
+fraction of one: the estimate counts that rank. The choice is made per weight.
 Activations, bf16, per transformer layer and micro-batch (Korthikanti et al. 2022, with flash
 attention so no seq² term, sequence parallel dividing everything by tp): ~34·s·b·d bytes kept
 for backward without checkpointing, 2·s·b·d (the block input) with it; a checkpointed run
@@ -74,12 +76,46 @@ def layer_bytes_per_token(m: ModelConfig, *, moe: bool) -> float:
     return (DENSE_LAYER_BYTES - DENSE_FFN_BYTES) * m.dim + moe_ffn_bytes_per_token(m)
 
 
-def expert_shards(m: ModelConfig, degrees: dict[str, int]) -> tuple[int, int, int]:
-    """How the routed experts of one MoE layer are split: (experts on each ep rank, the ranks
-    FSDP shards them over, along the expert dimension, and the experts the busiest rank stores)."""
+def expert_weight_rows(m: ModelConfig) -> dict[str, int]:
+    """Dim 1 of each stacked expert weight, the one FSDP splits when it divides by its ranks:
+    w1, w3 are (experts, hidden, dim), w2 (experts, dim, hidden)."""
+    return {"w1": m.expert_hidden_dim, "w2": m.dim, "w3": m.expert_hidden_dim}
+
+
+@dataclass(frozen=True)
+class ExpertShards:
+    """How FSDP splits the routed experts of one MoE layer that an ep rank holds."""
+
+    local: int  # experts on each ep rank (all of them without ep)
+    ranks: int  # the ranks FSDP shards them over: dp_shard × cp × tp
+    whole: tuple[str, ...]  # weights whose rows do not divide by `ranks`: split in whole experts
+
+    @property
+    def chunk(self) -> int:
+        """Whole experts per rank of the weights in `whole` (FSDP2's chunk, padded)."""
+        return math.ceil(self.local / self.ranks)
+
+    @property
+    def padded(self) -> bool:
+        """Whether some rank stores padding: a weight is split in whole experts that do not
+        divide by the ranks."""
+        return bool(self.whole) and self.local % self.ranks != 0
+
+    @property
+    def stored(self) -> float:
+        """Experts' worth of weights (w1, w2 and w3 being the same size) the busiest rank
+        stores: local / ranks of the weights whose rows divide, a chunk of the others."""
+        split = (3 - len(self.whole)) * self.local / self.ranks
+        return (split + len(self.whole) * self.chunk) / 3
+
+
+def expert_shards(m: ModelConfig, degrees: dict[str, int]) -> ExpertShards:
+    """How the routed experts of one MoE layer are split: by ep into each rank's slice, then by
+    FSDP along each expert's rows where they divide, in whole experts where they do not."""
     local = m.num_experts // degrees["ep"]
     ranks = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
-    return local, ranks, math.ceil(local / ranks)
+    whole = tuple(name for name, rows in expert_weight_rows(m).items() if rows % ranks)
+    return ExpertShards(local, ranks, whole)
 
 
 def routed_expert_params(m: ModelConfig) -> int:
@@ -98,7 +134,7 @@ def model_state_bytes(m: ModelConfig, degrees: dict[str, int]) -> float:
     dense = (count_params(m).total - experts) / (dense_shards * degrees["pp"])
     if not experts:
         return 16 * dense
-    _, _, stored = expert_shards(m, degrees)
+    stored = expert_shards(m, degrees).stored
     return 16 * (dense + experts * stored / m.num_experts / degrees["pp"])
 
 

@@ -1,6 +1,6 @@
 """kiln check's memory estimate: checkpointing, sharding, and MoE (every expert's weights,
-the top-k experts' activations, expert parallel's split of the experts and FSDP's whole-expert
-chunks)."""
+the top-k experts' activations, expert parallel's split of the experts, FSDP's split of each
+expert's rows and its whole-expert chunks where the rows do not divide)."""
 
 import pytest
 import torch
@@ -9,14 +9,18 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from kiln.cli import main
 from kiln.config import JobConfig, ModelConfig
 from kiln.metrics.memory import (
+    ExpertShards,
     estimate_memory,
     expert_shards,
+    expert_weight_rows,
     layer_bytes_per_token,
     moe_ffn_bytes_per_token,
     routed_expert_params,
 )
 from kiln.model import count_params
 from kiln.model.moe import MoEFeedForward
+from kiln.model.moe.experts import GroupedExperts
+from kiln.parallel.fsdp import _within_experts
 from tests.conftest import REPO
 
 ONE = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
@@ -76,9 +80,10 @@ def test_expert_parallel_splits_the_experts_and_fsdp_shards_the_rest_over_dp_sha
     assert experts == 8 * 8 * 3 * 512 * 256  # 8 MoE layers × 8 experts × w1, w2, w3
     dense = total - experts
     # tp=2 × ep=2 × dp_shard=2: each ep rank holds 4 experts, sharded over dp_shard × tp = 4
-    # ranks (one expert each); the rest TP-split and sharded over dp_shard × ep.
+    # ranks (a quarter of each expert's rows each); the rest TP-split and sharded over
+    # dp_shard × ep.
     layout = {**ONE, "ep": 2, "dp_shard": 2, "tp": 2}
-    assert expert_shards(cfg.model, layout) == (4, 4, 1)
+    assert expert_shards(cfg.model, layout) == ExpertShards(local=4, ranks=4, whole=())
     assert estimate_memory(cfg, layout).model_state == 16 * (dense / 8 + experts / 8)
     # HSDP replicates: dp_replicate divides nothing.
     hsdp = {**layout, "dp_replicate": 2}
@@ -97,27 +102,96 @@ def test_expert_parallel_ranks_count_as_sharding_ranks():
     assert fsdp == 16 * count_params(cfg.model).total / 4
 
 
-def test_fewer_experts_than_fsdp_ranks_leave_whole_experts_on_the_busiest_rank():
+def test_expert_weight_rows_are_dim_1_of_the_stacked_weights():
+    m = ModelConfig(dim=96, num_experts=4, moe_top_k=1, moe_ffn_hidden_dim=40)
+    experts = GroupedExperts(m.num_experts, m.dim, m.expert_hidden_dim)
+    assert expert_weight_rows(m) == {n: p.shape[1] for n, p in experts.named_parameters()}
+    assert expert_weight_rows(m) == {"w1": 40, "w2": 96, "w3": 40}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8, 16, 24, 32])
+def test_whole_expert_weights_are_those_fsdp_leaves_on_the_expert_dimension(ranks):
+    """The estimate's per-weight rule is the placement kiln gives FSDP (parallel/fsdp.py): a
+    weight is split in whole experts exactly where its placement falls back to the default."""
+    m = ModelConfig(dim=96, num_experts=4, moe_top_k=1, moe_ffn_hidden_dim=48)
+    placement = _within_experts(ranks)
+    experts = GroupedExperts(m.num_experts, m.dim, m.expert_hidden_dim)
+    defaulted = tuple(n for n, p in experts.named_parameters() if placement(p) is None)
+    assert sorted(expert_shards(m, {**ONE, "dp_shard": ranks}).whole) == sorted(defaulted)
+
+
+def test_fsdp_splits_each_experts_rows_when_they_divide():
     cfg = moe_job()
     experts = routed_expert_params(cfg.model)
     dense = count_params(cfg.model).total - experts
-    # 4 experts per ep rank over dp_shard × tp = 16 ranks (the 32-GPU recipe's shape): FSDP cuts
-    # whole experts, 4 ranks hold one each and 12 the same size in padding.
+    # 4 experts per ep rank over dp_shard × tp = 16 ranks (the 32-GPU recipe's shape): rows of
+    # 256 (w1, w3) and 512 (w2) divide by 16, so every rank holds 1/16 of each of the 4 experts,
+    # no padding: the experts' state is divided over all 32 ranks like the dense state.
     layout = {**ONE, "ep": 2, "dp_shard": 4, "tp": 4}
-    assert expert_shards(cfg.model, layout) == (4, 16, 1)
-    assert estimate_memory(cfg, layout).model_state == 16 * (dense / 32 + experts / 8)
+    shards = expert_shards(cfg.model, layout)
+    assert shards == ExpertShards(local=4, ranks=16, whole=())
+    assert shards.stored == 4 / 16 and not shards.padded
+    assert estimate_memory(cfg, layout).model_state == pytest.approx(16 * (dense + experts) / 32)
     # Pipeline stages split the layers, experts included.
     piped = {**layout, "pp": 2}
-    assert estimate_memory(cfg, piped).model_state == 16 * (dense / 64 + experts / 16)
+    assert estimate_memory(cfg, piped).model_state == pytest.approx(16 * (dense + experts) / 64)
+    # Without ep the same: 8 experts over 32 ranks, a quarter of an expert each.
+    fsdp = {**ONE, "dp_shard": 8, "tp": 4}
+    assert expert_shards(cfg.model, fsdp).stored == 8 / 32
+    assert estimate_memory(cfg, fsdp).model_state == estimate_memory(cfg, layout).model_state
+
+
+def test_rows_that_do_not_divide_leave_whole_experts_on_the_busiest_rank():
+    cfg = moe_job()
+    experts = routed_expert_params(cfg.model)
+    dense = count_params(cfg.model).total - experts
+    # 4 experts per ep rank over dp_shard = 6 ranks: neither 256 nor 512 rows divide by 6, so
+    # FSDP cuts every weight in whole experts: 4 ranks hold one each, 2 the same size in padding.
+    layout = {**ONE, "ep": 2, "dp_shard": 6}
+    shards = expert_shards(cfg.model, layout)
+    assert shards == ExpertShards(local=4, ranks=6, whole=("w1", "w2", "w3"))
+    assert shards.chunk == 1 and shards.stored == 1 and shards.padded
+    assert estimate_memory(cfg, layout).model_state == pytest.approx(
+        16 * (dense / 12 + experts / 8)
+    )
+    # Per weight: hidden 192 divides by 6 (w1, w3 split their rows: 4/6 of an expert each),
+    # dim 512 does not (w2 in whole experts: one per rank).
+    narrow = moe_job(moe_ffn_hidden_dim=192)
+    experts = routed_expert_params(narrow.model)
+    dense = count_params(narrow.model).total - experts
+    shards = expert_shards(narrow.model, layout)
+    assert shards.whole == ("w2",) and shards.padded
+    assert shards.stored == pytest.approx((4 / 6 + 1 + 4 / 6) / 3)
+    expected = 16 * (dense / 12 + experts * shards.stored / 8)
+    assert estimate_memory(narrow, layout).model_state == pytest.approx(expected)
+    # Rows that do not divide but experts that do: whole experts, no padding.
+    m = ModelConfig(dim=100, num_experts=12, moe_top_k=1, moe_ffn_hidden_dim=100)
+    shards = expert_shards(m, {**ONE, "dp_shard": 3})
+    assert shards.whole == ("w1", "w2", "w3") and not shards.padded and shards.stored == 4
 
 
 @pytest.mark.parametrize("local, ranks", [(4, 4), (8, 2), (4, 16), (8, 3), (5, 4), (1, 8)])
 def test_expert_chunks_are_fsdp2s(local, ranks):
-    """The estimate's chunk is the one torch's FSDP2 stores on every rank (its rank 0's, padded
-    on the others) when it shards the expert dimension."""
+    """Where the rows do not divide (1001 by none of these), the estimate's chunk is the one
+    torch's FSDP2 stores on every rank (its rank 0's, padded on the others) when it shards the
+    expert dimension."""
     chunks = _chunk_with_empty(torch.empty(local, 1), ranks, dim=0)
-    m = ModelConfig(num_experts=2 * local, moe_top_k=1)
-    assert expert_shards(m, {**ONE, "ep": 2, "dp_shard": ranks}) == (local, ranks, len(chunks[0]))
+    m = ModelConfig(dim=1001, num_experts=2 * local, moe_top_k=1, moe_ffn_hidden_dim=1001)
+    shards = expert_shards(m, {**ONE, "ep": 2, "dp_shard": ranks})
+    assert (shards.local, shards.ranks, shards.whole) == (local, ranks, ("w1", "w2", "w3"))
+    assert shards.chunk == shards.stored == len(chunks[0])
+
+
+@pytest.mark.parametrize("local, ranks", [(4, 4), (8, 2), (4, 16), (8, 32), (1, 8)])
+def test_split_rows_are_fsdp2s(local, ranks):
+    """Where the rows divide, every rank stores rows / ranks of each expert: local / ranks
+    experts' worth, whatever the number of experts."""
+    m = ModelConfig(dim=256, num_experts=2 * local, moe_top_k=1, moe_ffn_hidden_dim=512)
+    chunks = _chunk_with_empty(torch.empty(local, m.dim, 1), ranks, dim=1)
+    assert {chunk.shape for chunk in chunks} == {(local, m.dim // ranks, 1)}
+    shards = expert_shards(m, {**ONE, "ep": 2, "dp_shard": ranks})
+    assert not shards.whole and not shards.padded
+    assert shards.stored == pytest.approx(chunks[0].numel() / m.dim)
 
 
 def test_kiln_check_names_the_expert_share_and_the_padding(capsys):
@@ -125,13 +199,20 @@ def test_kiln_check_names_the_expert_share_and_the_padding(capsys):
     assert main(["check", recipe, "--config-only", "--world-size", "4", "--distributed.ep=2"]) == 0
     out = capsys.readouterr().out
     assert "(fp32 weights, grads, AdamW of this ep rank's 4 of 8 experts)" in out
-    assert "# experts: FSDP shards" not in out  # 4 experts over 2 FSDP ranks divide evenly
+    assert "# experts:" not in out  # 4 experts over 2 FSDP ranks divide evenly
+    # 4 experts over 8 ranks: the rows (128) divide, so no padding either.
     assert main(["check", recipe, "--config-only", "--world-size", "16", "--distributed.ep=2"]) == 0
-    out = capsys.readouterr().out
+    assert "# experts:" not in capsys.readouterr().out
+    # Over 6 ranks 128 rows do not divide (w2), 96 do (w1, w3): w2 goes in whole experts.
+    narrow = ["--world-size", "12", "--distributed.ep=2", "--model.moe_ffn_hidden_dim=96"]
+    assert main(["check", recipe, "--config-only", *narrow]) == 0
     assert (
-        "# experts: FSDP shards each ep rank's 4 experts of an MoE layer over 8 ranks "
-        "(dp_shard × tp) in chunks of 1 whole expert: 4 of those ranks hold experts"
-    ) in out
+        "# experts: the rows of w2 (128) do not divide over the 6 ranks (dp_shard × tp) that "
+        "shard each ep rank's 4 experts of an MoE layer, so FSDP splits it in chunks of 1 whole "
+        "expert: 4 of those ranks hold experts"
+    ) in capsys.readouterr().out
+    assert main(["check", recipe, "--config-only", "--world-size", "12", "--distributed.ep=2"]) == 0
+    assert "the rows of w1, w2, w3 (128) do not divide" in capsys.readouterr().out
 
 
 def test_moe_activations_grow_with_top_k_not_with_the_number_of_experts():
