@@ -303,31 +303,24 @@ def _expert_state_label(model, layout: dict[str, int]) -> str:
 
 
 def _expert_padding_note(model, layout: dict[str, int]) -> str | None:
-    """FSDP splits each expert's rows over its ranks where they divide; a weight whose rows do
-    not is cut into whole-expert chunks, padded where the ranks do not divide the experts: say
-    so, it is where the estimate rounds up."""
-    from kiln.metrics.memory import expert_shards, expert_weight_rows
+    """FSDP splits each expert's rows (or columns) over its ranks where they divide; where
+    neither does, the experts are cut into whole-expert chunks, padded where the ranks do not
+    divide the experts: say so, it is where the estimate rounds up."""
+    from kiln.metrics.memory import expert_shards
 
     shards = expert_shards(model, layout)
     if not shards.padded:
         return None
-    rows = expert_weight_rows(model)
-    by_rows: dict[int, list[str]] = {}
-    for name in shards.whole:
-        by_rows.setdefault(rows[name], []).append(name)
-    weights = " and ".join(f"{', '.join(names)} ({size})" for size, names in by_rows.items())
     holding = -(-shards.local // shards.chunk)
     owner = f"each ep rank's {shards.local}" if layout["ep"] > 1 else f"the {shards.local}"
     plural = "s" if shards.chunk > 1 else ""
-    split = [name for name in rows if name not in shards.whole]
-    rest = f" ({', '.join(split)}: each expert's rows split evenly)" if split else ""
     return (
-        f"experts: the rows of {weights} do not divide over the {shards.ranks} ranks "
-        f"(dp_shard × tp) that shard {owner} experts of an MoE layer, so FSDP splits "
-        f"{'them' if len(shards.whole) > 1 else 'it'} in chunks of {shards.chunk} whole "
+        f"experts: neither the expert hidden size ({model.expert_hidden_dim}) nor dim "
+        f"({model.dim}) divides over the {shards.ranks} ranks (dp_shard × tp) that shard {owner} "
+        f"experts of an MoE layer, so FSDP splits them in chunks of {shards.chunk} whole "
         f"expert{plural}: {holding} of those ranks hold experts, and every rank stores a whole "
         f"chunk of weights and gradients, padding where it holds fewer; the estimate counts the "
-        f"busiest rank{rest}"
+        f"busiest rank"
     )
 
 

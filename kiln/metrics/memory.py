@@ -7,8 +7,9 @@ token uses only its top-k, but every expert has weights, gradients and moments. 
 experts are counted apart (`expert_shards`): ep gives each rank E/ep experts of every MoE layer,
 and FSDP shards that slice over dp_shard × cp × tp (kiln/parallel/fsdp.py). It splits each
 expert's rows (dim 1 of the stacked weights: hidden for w1 and w3, dim for w2) when they divide
-by those ranks, so every rank holds (E/ep) / ranks of the experts' weights, a fraction of each.
-A weight whose rows do not divide keeps FSDP2's default, the expert dimension, cut into chunks of
+by those ranks, else its columns (dim 2), so every rank holds (E/ep) / ranks of the experts'
+weights, a fraction of each. A weight whose rows and columns (hidden and dim) both do not divide
+keeps FSDP2's default, the expert dimension, cut into chunks of
 ceil(E/ep / ranks) whole experts; every rank stores a whole chunk of that weight and its
 gradient, padded where its chunk is short or empty (AdamW's moments cover only what it holds),
 so with fewer experts than ranks the busiest rank holds one whole expert of it per layer, not a
@@ -76,10 +77,11 @@ def layer_bytes_per_token(m: ModelConfig, *, moe: bool) -> float:
     return (DENSE_LAYER_BYTES - DENSE_FFN_BYTES) * m.dim + moe_ffn_bytes_per_token(m)
 
 
-def expert_weight_rows(m: ModelConfig) -> dict[str, int]:
-    """Dim 1 of each stacked expert weight, the one FSDP splits when it divides by its ranks:
-    w1, w3 are (experts, hidden, dim), w2 (experts, dim, hidden)."""
-    return {"w1": m.expert_hidden_dim, "w2": m.dim, "w3": m.expert_hidden_dim}
+def expert_weight_dims(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Dims 1 and 2 of each stacked expert weight, the ones FSDP splits (the first that divides
+    by its ranks): w1, w3 are (experts, hidden, dim), w2 (experts, dim, hidden)."""
+    hidden = m.expert_hidden_dim
+    return {"w1": (hidden, m.dim), "w2": (m.dim, hidden), "w3": (hidden, m.dim)}
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class ExpertShards:
 
     local: int  # experts on each ep rank (all of them without ep)
     ranks: int  # the ranks FSDP shards them over: dp_shard × cp × tp
-    whole: tuple[str, ...]  # weights whose rows do not divide by `ranks`: split in whole experts
+    whole: tuple[str, ...]  # weights whose rows and columns do not divide: split in whole experts
 
     @property
     def chunk(self) -> int:
@@ -104,17 +106,19 @@ class ExpertShards:
     @property
     def stored(self) -> float:
         """Experts' worth of weights (w1, w2 and w3 being the same size) the busiest rank
-        stores: local / ranks of the weights whose rows divide, a chunk of the others."""
+        stores: local / ranks of the weights split within experts, a chunk of the others."""
         split = (3 - len(self.whole)) * self.local / self.ranks
         return (split + len(self.whole) * self.chunk) / 3
 
 
 def expert_shards(m: ModelConfig, degrees: dict[str, int]) -> ExpertShards:
     """How the routed experts of one MoE layer are split: by ep into each rank's slice, then by
-    FSDP along each expert's rows where they divide, in whole experts where they do not."""
+    FSDP along each expert's rows or columns where they divide, in whole experts where not."""
     local = m.num_experts // degrees["ep"]
     ranks = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
-    whole = tuple(name for name, rows in expert_weight_rows(m).items() if rows % ranks)
+    whole = tuple(
+        name for name, dims in expert_weight_dims(m).items() if all(n % ranks for n in dims)
+    )
     return ExpertShards(local, ranks, whole)
 
 

@@ -85,11 +85,15 @@ def _within_experts(ranks: int) -> Callable[[nn.Parameter], Shard | None]:
     """Where FSDP splits a stacked expert weight (experts, rows, cols) over `ranks`: by default it
     would split dim 0, the experts, in whole experts, so with fewer experts (per ep rank) than
     ranks some ranks hold one whole expert of padding and the rest nothing, and memory does not
-    shrink with the ranks. Splitting every expert's rows gives each rank 1/ranks of each; FSDP
-    splits a dim other than 0 only evenly, so rows that do not divide keep the default."""
+    shrink with the ranks. Splitting every expert's rows (or else its columns) gives each rank
+    1/ranks of each; FSDP splits a dim other than 0 only evenly, so a weight whose rows and
+    columns both do not divide keeps the default."""
 
     def placement(param: nn.Parameter) -> Shard | None:
-        return Shard(1) if param.shape[1] % ranks == 0 else None
+        for dim in (1, 2):
+            if param.shape[dim] % ranks == 0:
+                return Shard(dim)
+        return None
 
     return placement
 

@@ -19,6 +19,20 @@ from tests.distributed.init_weights_worker import gather_initial_weights
         # FSDP; hidden units 390 / 2 = 195, then 98 + 97. The cuts fall inside the init's tiles.
         (4, ["--distributed.tp=2", "--model.vocab_size=4094", "--model.ffn_hidden_dim=390"]),
         (2, ["--distributed.pp=2"]),
+        # Experts split over ep, then along their rows by FSDP.
+        (4, ["--model.preset=debug_moe", "--distributed.ep=2", "--distributed.dp_shard=2"]),
+        # dim 134 does not divide by 4, hidden 128 does: FSDP splits w1 and w3 along their rows
+        # (hidden) and w2 along its columns (hidden).
+        (
+            4,
+            [
+                "--model.preset=debug_moe",
+                "--model.dim=134",
+                "--model.n_heads=1",
+                "--model.n_kv_heads=1",
+                "--distributed.dp_shard=4",
+            ],
+        ),
     ],
     ids=[
         "dp_shard=2",
@@ -26,6 +40,8 @@ from tests.distributed.init_weights_worker import gather_initial_weights
         "dp_replicate=2 x dp_shard=2",
         "tp=2 x dp_shard=2 uneven",
         "pp=2",
+        "moe ep=2 x dp_shard=2",
+        "moe dp_shard=4, experts split by rows and columns",
     ],
 )
 def test_initial_weights_do_not_depend_on_the_layout(nproc, layout, tmp_path, gangs):

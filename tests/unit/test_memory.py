@@ -12,7 +12,7 @@ from kiln.metrics.memory import (
     ExpertShards,
     estimate_memory,
     expert_shards,
-    expert_weight_rows,
+    expert_weight_dims,
     layer_bytes_per_token,
     moe_ffn_bytes_per_token,
     routed_expert_params,
@@ -102,11 +102,11 @@ def test_expert_parallel_ranks_count_as_sharding_ranks():
     assert fsdp == 16 * count_params(cfg.model).total / 4
 
 
-def test_expert_weight_rows_are_dim_1_of_the_stacked_weights():
+def test_expert_weight_dims_are_dims_1_and_2_of_the_stacked_weights():
     m = ModelConfig(dim=96, num_experts=4, moe_top_k=1, moe_ffn_hidden_dim=40)
     experts = GroupedExperts(m.num_experts, m.dim, m.expert_hidden_dim)
-    assert expert_weight_rows(m) == {n: p.shape[1] for n, p in experts.named_parameters()}
-    assert expert_weight_rows(m) == {"w1": 40, "w2": 96, "w3": 40}
+    assert expert_weight_dims(m) == {n: tuple(p.shape[1:]) for n, p in experts.named_parameters()}
+    assert expert_weight_dims(m) == {"w1": (40, 96), "w2": (96, 40), "w3": (40, 96)}
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8, 16, 24, 32])
@@ -154,14 +154,14 @@ def test_rows_that_do_not_divide_leave_whole_experts_on_the_busiest_rank():
     assert estimate_memory(cfg, layout).model_state == pytest.approx(
         16 * (dense / 12 + experts / 8)
     )
-    # Per weight: hidden 192 divides by 6 (w1, w3 split their rows: 4/6 of an expert each),
-    # dim 512 does not (w2 in whole experts: one per rank).
+    # Hidden 192 divides by 6 and dim 512 does not: w1 and w3 split their rows, w2 (experts,
+    # dim, hidden) its columns, 4/6 of an expert each, no padding.
     narrow = moe_job(moe_ffn_hidden_dim=192)
     experts = routed_expert_params(narrow.model)
     dense = count_params(narrow.model).total - experts
     shards = expert_shards(narrow.model, layout)
-    assert shards.whole == ("w2",) and shards.padded
-    assert shards.stored == pytest.approx((4 / 6 + 1 + 4 / 6) / 3)
+    assert shards.whole == () and not shards.padded
+    assert shards.stored == pytest.approx(4 / 6)
     expected = 16 * (dense / 12 + experts * shards.stored / 8)
     assert estimate_memory(narrow, layout).model_state == pytest.approx(expected)
     # Rows that do not divide but experts that do: whole experts, no padding.
@@ -203,16 +203,16 @@ def test_kiln_check_names_the_expert_share_and_the_padding(capsys):
     # 4 experts over 8 ranks: the rows (128) divide, so no padding either.
     assert main(["check", recipe, "--config-only", "--world-size", "16", "--distributed.ep=2"]) == 0
     assert "# experts:" not in capsys.readouterr().out
-    # Over 6 ranks 128 rows do not divide (w2), 96 do (w1, w3): w2 goes in whole experts.
+    # Over 6 ranks dim 128 does not divide, hidden 96 does: every weight splits by it.
     narrow = ["--world-size", "12", "--distributed.ep=2", "--model.moe_ffn_hidden_dim=96"]
     assert main(["check", recipe, "--config-only", *narrow]) == 0
-    assert (
-        "# experts: the rows of w2 (128) do not divide over the 6 ranks (dp_shard × tp) that "
-        "shard each ep rank's 4 experts of an MoE layer, so FSDP splits it in chunks of 1 whole "
-        "expert: 4 of those ranks hold experts"
-    ) in capsys.readouterr().out
+    assert "# experts:" not in capsys.readouterr().out
     assert main(["check", recipe, "--config-only", "--world-size", "12", "--distributed.ep=2"]) == 0
-    assert "the rows of w1, w2, w3 (128) do not divide" in capsys.readouterr().out
+    assert (
+        "# experts: neither the expert hidden size (128) nor dim (128) divides over the 6 ranks "
+        "(dp_shard × tp) that shard each ep rank's 4 experts of an MoE layer, so FSDP splits "
+        "them in chunks of 1 whole expert: 4 of those ranks hold experts"
+    ) in capsys.readouterr().out
 
 
 def test_moe_activations_grow_with_top_k_not_with_the_number_of_experts():
