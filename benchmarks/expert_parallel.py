@@ -19,12 +19,14 @@ run, and the figure is the median round. The 1-minute load average is printed be
 
 **Bytes.** Every step record of every ep > 1 run (and of short runs at ep=2 and ep=4 with full
 activation checkpointing, at ep=2 with two micro-batches, and at ep=2 without either, the
-control that full AC's routing and losses are compared with step by step) is checked: each rank's `ep/sent_bytes` against
+control that full AC's routing and losses are compared with step by step) is checked: each
+rank's `ep/sent_bytes` and `ep/received_bytes` against
     passes x (routed sent + routed received token copies) x dim x 4 bytes (fp32 rows),
 passes = 2 (dispatch forward sends the sent copies, combine forward sends back the received
 ones, and the backward repeats both the other way) or 3 under full AC (the recompute runs both
 forward exchanges again); the routed copies are the step's `ep/sent_tokens` and
-`ep/received_tokens` (which count every dispatch, the recompute's too: halved under full AC).
+`ep/received_tokens` (counted once per training forward, not again in the recompute, since
+3fb189b; the AC run's counts are also compared with the control's, step by step).
 Independently, each MoE layer's `moe/load/<layer>` (the fraction of the step's assignments,
 all ranks, each expert received) gives the assignments landing on rank r's experts, which must
 equal rank r's own assignments - what it sent + what it received, summed over the MoE layers.
@@ -36,7 +38,7 @@ per rank (the per-rank batch fixed, so activations weigh alike), 3 steps; per ra
 bytes of the routed experts' weights and of everything else, of the AdamW state, the RSS before
 the Trainer is built, with it built, and the peak RSS (ru_maxrss) after the steps.
 
-    python benchmarks/expert_parallel.py                  # timing, bytes and memory (~7 min)
+    python benchmarks/expert_parallel.py                  # timing, bytes and memory (~6 min)
     python benchmarks/expert_parallel.py --rounds 3 --steps 14 --skip 4 --no-memory
     python benchmarks/expert_parallel.py --memory-only
 """
@@ -161,7 +163,7 @@ def check_bytes(records: list[dict], *, ep: int, accum: int, full_ac: bool) -> d
     """Every step record of one run against the expected bytes and the loads identity."""
     dim, experts, top_k = model_shape()
     seq = 256
-    passes, counted = (3, 2) if full_ac else (2, 1)
+    passes = 3 if full_ac else 2
     total = GLOBAL_BATCH * seq * top_k  # a layer's assignments on all ranks, per step
     own = total // ep  # ... of one rank
     per_rank = experts // ep
@@ -169,8 +171,7 @@ def check_bytes(records: list[dict], *, ep: int, accum: int, full_ac: bool) -> d
     fractions, bytes_per_step = [], []
     for r in records:
         layers = [v for k, v in r.items() if k.startswith("moe/load/")]
-        sent = [s / counted for s in r["ep/sent_tokens"]]
-        received = [s / counted for s in r["ep/received_tokens"]]
+        sent, received = r["ep/sent_tokens"], r["ep/received_tokens"]
         expected = [passes * (s + v) * dim * 4 for s, v in zip(sent, received, strict=True)]
         if expected != r["ep/sent_bytes"] or expected != r["ep/received_bytes"]:
             out["bytes_mismatch"].append((r["step"], expected, r["ep/sent_bytes"]))
@@ -299,7 +300,7 @@ def bytes_report(runs: dict[str, list[list[dict]]], args: argparse.Namespace) ->
             f"{(ep - 1) / ep:.3f} |"
         )
 
-    # Full AC counts the recompute's dispatch too: its token figures are twice the routing's.
+    # The recompute routes the same tokens: full AC's counts should equal the control's (x1).
     control = next(c for label, c in checks if label == "ep=2, no AC (control)")
     plain = {r["step"]: r for r in control["records"]}
     ac = next(c for label, c in checks if label == "ep=2, full AC")["records"]
