@@ -227,7 +227,7 @@ def allocate_optimizer_state(model, optimizer, *, grad_scale: float) -> None:
 def build_state(cfg, *, optimizer_state: str):
     """fp32 model on CPU and AdamW; optimizer_state: 'trained' | 'allocated' | 'none'."""
     model = materialize(build_model(cfg.model), device="cpu", seed=cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    (optimizer,) = build_optimizer(model, cfg.optimizer)
     if optimizer_state != "none":
         allocate_optimizer_state(
             model, optimizer, grad_scale=1e-2 if optimizer_state == "trained" else 0.0
@@ -343,7 +343,7 @@ def train_step_fn(preset: str):
     """A small training step (forward, cross entropy, backward, AdamW) for the contention test."""
     cfg = load_config(None, [f"--model.preset={preset}"])
     model = materialize(build_model(cfg.model), device="cpu", seed=0)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    (optimizer,) = build_optimizer(model, cfg.optimizer)
     tokens = torch.randint(
         0, cfg.model.vocab_size, (2, 257), generator=torch.Generator().manual_seed(0)
     )
@@ -421,13 +421,13 @@ def small_state(args, root: Path) -> dict:
     gc.collect()
     r |= {"resume": Timing(), "alloc": Timing(), "load_alloc": Timing(), "resume_cached": []}
     for i in range(args.repeats):
-        fresh = build_optimizer(model, cfg.optimizer)
+        (fresh,) = build_optimizer(model, cfg.optimizer)
         r["resume_cached"].append(cached_fraction(saved))
         r["resume"].run(partial(load_checkpoint, saved, model=model, optimizer=fresh))
         got = fingerprint(model, fresh)
         del fresh
         gc.collect()
-        fresh = build_optimizer(model, cfg.optimizer)
+        (fresh,) = build_optimizer(model, cfg.optimizer)
         r["alloc"].run(partial(allocate_optimizer_state, model, fresh, grad_scale=0.0))
         r["load_alloc"].run(partial(load_checkpoint, saved, model=model, optimizer=fresh))
         del fresh

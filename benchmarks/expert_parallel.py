@@ -416,7 +416,7 @@ def worker(overrides: list[str]) -> None:
                     figures["expert_total"] += p.numel() * p.element_size()
                 else:
                     figures["other_local"] += nbytes
-        for optimizer in trainer.optimizers:
+        for optimizer in (o for part in trainer.optimizers for o in part):
             for p, state in optimizer.state.items():
                 key = "expert_state" if id(p) in expert_ids else "other_state"
                 for value in state.values():

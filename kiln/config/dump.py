@@ -18,7 +18,10 @@ def to_toml(cfg: JobConfig) -> str:
         lines.append(f"[{section.name}]")
         # Lists of tables are written after the plain keys: TOML puts them in their own blocks.
         tables = {k: v for k, v in values.items() if _is_table_list(v)}
-        lines += [f"{k} = {_literal(v)}" for k, v in values.items() if k not in tables]
+        # An unset optional key (None) is left out: reading the file back leaves it unset.
+        lines += [
+            f"{k} = {_literal(v)}" for k, v in values.items() if k not in tables and v is not None
+        ]
         lines.append("")
         for key, entries in tables.items():
             for entry in entries:
@@ -50,5 +53,6 @@ def _literal(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_literal(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_literal(v)}" for k, v in value.items()) + "}"
+        items = [f"{json.dumps(k)} = {_literal(v)}" for k, v in value.items() if v is not None]
+        return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -108,9 +108,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {item!r} needs a value: write --section.key=value")
     key, text = body.split("=", 1)
     parts = key.split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(
-            f"override {item!r}: the key must be section.key, e.g. --train.max_steps=200"
+            f"override {item!r}: the key must be section.key (or section.table.key), "
+            "e.g. --train.max_steps=200 or --optimizer.adamw.lr=3e-4"
         )
     try:
         value = tomllib.loads(f"v = {text}")["v"]
@@ -120,21 +121,26 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None:
-    (section, key), value = parse_override(item)
-    if _field_type(section, key) is str and not isinstance(value, str):
+    parts, value = parse_override(item)
+    if _field_type(parts) is str and not isinstance(value, str):
         value = item.split("=", 1)[1]  # `--metrics.run_dir=2024-01-01` is a name, not a date
-    table = raw.setdefault(section, {})
-    if not isinstance(table, dict):
-        problems.append(f"[{section}] is not a table, cannot override {section}.{key}")
-        return
-    table[key] = value
+    table = raw
+    for depth, name in enumerate(parts[:-1]):
+        table = table.setdefault(name, {})
+        if not isinstance(table, dict):
+            where = ".".join(parts[: depth + 1])
+            problems.append(f"[{where}] is not a table, cannot override {'.'.join(parts)}")
+            return
+    table[parts[-1]] = value
 
 
-def _field_type(section: str, key: str) -> Any:
-    sections = typing.get_type_hints(JobConfig)
-    if section not in sections or not dataclasses.is_dataclass(sections[section]):
-        return None
-    return typing.get_type_hints(sections[section]).get(key)
+def _field_type(parts: list[str]) -> Any:
+    hint: Any = JobConfig
+    for name in parts:
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hint = typing.get_type_hints(hint).get(name)
+    return hint
 
 
 def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:

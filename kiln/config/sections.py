@@ -93,12 +93,34 @@ class TrainConfig:
 
 
 @dataclass
+class AdamWGroupConfig:
+    """`[optimizer.adamw]`: under Muon, the AdamW settings of what it does not orthogonalize
+    (embeddings, output head, norms, biases). A key left unset takes [optimizer]'s value."""
+
+    lr: float | None = None
+    weight_decay: float | None = None
+    betas: list[float] | None = None
+    eps: float | None = None
+
+
+@dataclass
 class OptimizerConfig:
+    # adamw, muon (matrices; AdamW for the rest), lion, schedule_free_adamw.
     name: str = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
+    # Muon only (unset: 0.95, true, 5, "original", true). adjust_lr: "original" (Jordan) or
+    # "match_rms_adamw" (Moonlight: AdamW's lr and weight decay carry over).
+    momentum: float | None = None
+    nesterov: bool | None = None
+    ns_steps: int | None = None
+    adjust_lr: str | None = None
+    # Each matrix orthogonalized by one owner rank that sends it on (true), or by every rank
+    # holding it (false).
+    owner_compute: bool | None = None
+    adamw: AdamWGroupConfig = field(default_factory=AdamWGroupConfig)
 
 
 @dataclass

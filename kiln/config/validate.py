@@ -13,6 +13,7 @@ from kiln.config.pipeline import (
 )
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
+from kiln.config.validate_optimizer import OPTIMIZERS, optimizer_problems
 from kiln.errors import ConfigError
 
 CHOICES = {
@@ -20,7 +21,7 @@ CHOICES = {
     "train.activation_checkpointing": ("none", "full", "selective"),
     "train.loss": ("cross_entropy",),
     "train.device": ("auto", "cpu", "cuda"),
-    "optimizer.name": ("adamw",),
+    "optimizer.name": OPTIMIZERS,
     "scheduler.name": ("cosine", "linear", "wsd", "constant", "rex", "none"),
     "data.source": ("demo", "prepared", "hf"),
     "checkpoint.resume": ("auto", "never", "force"),
@@ -42,6 +43,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 
 def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
+    problems += optimizer_problems(cfg)
     problems += _data_problems(cfg) + _eval_problems(cfg)
     return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 

@@ -1,4 +1,13 @@
-"""Optimizer construction: AdamW, weight decay on matrices only, fused kernels where they exist."""
+"""Optimizer construction: which parameters each optimizer updates, with which settings.
+
+AdamW: weight decay on matrices only, fused kernels where they exist. Muon: the hidden matrices
+(attention, feed-forward, routed experts, router) are orthogonalized by Muon; the embeddings,
+the output head, the norms and any vector go to AdamW with `[optimizer.adamw]`'s settings (each
+unset key taking `[optimizer]`'s), since orthogonalizing a lookup table or a gain is meaningless.
+
+Each param group keeps its own starting lr as `base_lr`: the schedule scales every group's,
+so Muon's AdamW half may run at another lr than its matrices.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +15,76 @@ import torch
 from torch import nn
 
 from kiln.config.sections import OptimizerConfig
+from kiln.errors import ConfigError
+from kiln.train.muon import Muon
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, *, ns_dtype: torch.dtype = torch.bfloat16
+) -> list[torch.optim.Optimizer]:
+    """The optimizers of one model part (one, or Muon and AdamW), their groups tagged with
+    `base_lr`. `ns_dtype`: the dtype of Muon's Newton–Schulz iterations."""
+    if cfg.name == "muon":
+        optimizers = _muon(model, cfg, ns_dtype)
+    else:
+        optimizers = [_adamw(_decay_groups(_trainable(model), cfg.weight_decay), cfg)]
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["base_lr"] = group["lr"]
+    return optimizers
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     # Norm gains (1-D) are scales, not features: decaying them toward 0 only hurts.
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    return [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
     ]
-    on_cuda = all(p.device.type == "cuda" for p in params)
+
+
+def _adamw(groups: list[dict], cfg: OptimizerConfig, **overrides) -> torch.optim.Optimizer:
+    params = [p for group in groups for p in group["params"]]
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    settings = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps) | overrides
     return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        fused=True if on_cuda else None,
-        foreach=None if on_cuda else True,
+        groups, **settings, fused=True if on_cuda else None, foreach=None if on_cuda else True
     )
+
+
+def _muon(model: nn.Module, cfg: OptimizerConfig, ns_dtype: torch.dtype) -> list:
+    outside = {
+        name for name in model.parallel_plan().first_stage + model.parallel_plan().last_stage
+    }
+    named = _trainable(model)
+    matrices = [p for name, p in named if p.ndim >= 2 and name.split(".")[0] not in outside]
+    rest = [(name, p) for name, p in named if not any(p is m for m in matrices)]
+    if not matrices and any(p.ndim >= 2 for _, p in named):
+        raise ConfigError(
+            "optimizer.name = 'muon' found no hidden matrix to orthogonalize in this model part; "
+            "use optimizer.name = 'adamw'"
+        )
+    a = cfg.adamw
+    adamw_decay = a.weight_decay if a.weight_decay is not None else cfg.weight_decay
+    adamw = _adamw(
+        _decay_groups(rest, adamw_decay),
+        cfg,
+        lr=a.lr if a.lr is not None else cfg.lr,
+        betas=tuple(a.betas if a.betas is not None else cfg.betas),
+        eps=a.eps if a.eps is not None else cfg.eps,
+    )
+    muon = Muon(
+        matrices,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=0.95 if cfg.momentum is None else cfg.momentum,
+        nesterov=True if cfg.nesterov is None else cfg.nesterov,
+        ns_steps=cfg.ns_steps or 5,
+        adjust_lr=cfg.adjust_lr or "original",
+        ns_dtype=ns_dtype,
+        owner_compute=True if cfg.owner_compute is None else cfg.owner_compute,
+    )
+    return [muon, adamw] if matrices else [adamw]

@@ -64,7 +64,7 @@ class TrainStep:
         parallel: ParallelContext,
         *,
         model_parts: list[nn.Module],
-        optimizers: list[torch.optim.Optimizer],
+        optimizers: list[list[torch.optim.Optimizer]],
         sources: list[Source],
     ):
         self.cfg, self.parallel, self.device = cfg, parallel, parallel.device
@@ -229,10 +229,12 @@ class TrainStep:
             * lr_factor(self.cfg.scheduler, step, self.cfg.train.max_steps)
             * lr_scale_at(self.cfg.data, step - 1)
         )
-        for optimizer in self.optimizers:
+        factor = lr / self.cfg.optimizer.lr
+        for optimizer in (o for part in self.optimizers for o in part):
             if not skip:
                 for group in optimizer.param_groups:
-                    group["lr"] = lr
+                    # Checkpoints written before base_lr existed hold one AdamW at optimizer.lr.
+                    group["lr"] = group.setdefault("base_lr", self.cfg.optimizer.lr) * factor
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return lr

@@ -58,7 +58,11 @@ class Trainer:
         seed = None if start.loads_weights else cfg.train.seed
         for part in self.model_parts:
             materialize(part, device=self.device, seed=seed)
-        self.optimizers = [build_optimizer(part, cfg.optimizer) for part in self.model_parts]
+        # Muon's Newton–Schulz runs in bf16, in fp32 where the run is fp32 (parity tests).
+        ns_dtype = torch.float32 if cfg.train.mixed_precision == "fp32" else torch.bfloat16
+        self.optimizers = [
+            build_optimizer(part, cfg.optimizer, ns_dtype=ns_dtype) for part in self.model_parts
+        ]
         self.step_fn = TrainStep(
             cfg,
             self.parallel,

@@ -17,7 +17,7 @@ TINY = ModelConfig(
 
 def trained(seed=0):
     model = materialize(build_model(TINY), device="cpu", seed=seed)
-    optimizer = build_optimizer(model, JobConfig().optimizer)
+    (optimizer,) = build_optimizer(model, JobConfig().optimizer)
     model(torch.randint(0, 50, (2, 8))).sum().backward()
     optimizer.step()
     return model, optimizer
@@ -124,7 +124,7 @@ def test_whole_model_checkpoint_loads_into_pipeline_stages(tmp_path, tied):
     cfg = JobConfig(model=replace(TINY, n_layers=4, tie_embeddings=tied))
     cfg.distributed.pp, cfg.distributed.pp_schedule, cfg.distributed.pp_virtual_stages = 2, "zbv", 2
     whole = materialize(build_model(cfg.model), device="cpu", seed=0)
-    optimizer = build_optimizer(whole, cfg.optimizer)
+    (optimizer,) = build_optimizer(whole, cfg.optimizer)
     whole(torch.randint(0, 50, (2, 8))).sum().backward()
     optimizer.step()
     save(tmp_path, 3, whole, optimizer)
@@ -133,7 +133,7 @@ def test_whole_model_checkpoint_loads_into_pipeline_stages(tmp_path, tied):
         materialize(part, device="cpu", seed=1)
         for part in split_into_stages(build_model(cfg.model), cfg, pp_rank=0)
     ]
-    optimizers = [build_optimizer(part, cfg.optimizer) for part in parts]
+    optimizers = [build_optimizer(part, cfg.optimizer)[0] for part in parts]
     load_checkpoint(tmp_path, model=parts, optimizer=optimizers)
     expected = dict(whole.named_parameters())
     moments = {name: optimizer.state[p]["exp_avg"] for name, p in whole.named_parameters()}
