@@ -79,10 +79,12 @@ class AllToAllDispatcher:
         self.local_experts = num_experts // self.ranks
         self.group, self.stats = group, stats
         self.rank = dist.get_rank(group)
+        # Under torch.compile the exchanges run eagerly between the compiled parts of the block:
+        # the split sizes are read on the host and the collectives take lists of them. Wrapped
+        # here, not at import: torch.compiler.disable imports torch._dynamo (~0.8 s a process).
+        self.dispatch = torch.compiler.disable(self.dispatch)
+        self.combine = torch.compiler.disable(self.combine)
 
-    # Under torch.compile the exchanges run eagerly between the compiled parts of the block: the
-    # split sizes are read on the host and the collectives take lists of them.
-    @torch.compiler.disable
     def dispatch(
         self, x: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, ExpertParallelState]:
@@ -102,7 +104,6 @@ class AllToAllDispatcher:
         state = ExpertParallelState(local, order, sent, received)
         return arrived[order], counts_by_source.sum(dim=0), state
 
-    @torch.compiler.disable
     def combine(
         self, expert_out: torch.Tensor, weights: torch.Tensor, state: ExpertParallelState
     ) -> torch.Tensor:

@@ -33,7 +33,9 @@ PREEMPTED = 75
 def test_signal_to_one_rank_stops_all_at_a_step_with_a_checkpoint_and_resumes_bitwise(
     tmp_path, demo_data
 ):
-    steps = 60
+    # Rank 1 is signalled once step 3 is logged: the steps after it leave the signal time to
+    # land however loaded the machine is (it stops at step 4 or 5 on a quiet one).
+    steps = 24
     overrides = [
         f"--train.max_steps={steps}",
         "--train.batch_size=2",
@@ -92,7 +94,7 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
         "-m",
         "kiln",
         "train",
-        *kiln_args(run, demo_data, "--train.max_steps=60", "--train.batch_size=1"),
+        *kiln_args(run, demo_data, "--train.max_steps=24", "--train.batch_size=1"),
         "--checkpoint.interval=2",
     ]
     launcher = subprocess.Popen(
@@ -109,7 +111,7 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output[-3000:]
     assert "kiln: resumed from" in output
-    assert max(losses(run)) == 60
+    assert max(losses(run)) == 24
 
 
 def _children(pid: int) -> list[int]:
