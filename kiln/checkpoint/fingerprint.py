@@ -23,7 +23,15 @@ DEFINING = (
     "train.z_loss_weight",
     "train.grad_clip_norm",
 )
-NOT_DEFINING = ("data.num_workers", "data.prefetch_steps", "model.preset")
+# train.loss_chunk_tokens only sets how much of the logits the chunked loss holds at once.
+NOT_DEFINING = (
+    "data.num_workers",
+    "data.prefetch_steps",
+    "model.preset",
+    "train.loss_chunk_tokens",
+)
+# Losses that compute the same function: a run may switch between them (e.g. to save memory).
+SAME_LOSS = {"chunked_cross_entropy": "cross_entropy"}
 FLAT_SCHEDULES = ("constant", "none")
 
 
@@ -34,6 +42,7 @@ def run_fingerprint(cfg: JobConfig, *, global_batch: int) -> dict[str, Any]:
         for key, value in flat.items()
         if key.startswith(DEFINING) and key not in NOT_DEFINING
     }
+    kept["train.loss"] = SAME_LOSS.get(cfg.train.loss, cfg.train.loss)
     if cfg.scheduler.name not in FLAT_SCHEDULES:
         kept["train.max_steps"] = cfg.train.max_steps
     return {**kept, "train.global_batch": global_batch}

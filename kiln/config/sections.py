@@ -88,7 +88,9 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     compile: bool = False
     grad_clip_norm: float = 1.0
-    loss: str = "cross_entropy"
+    loss: str = "cross_entropy"  # or "chunked_cross_entropy": the same loss, never all the logits
+    # Tokens whose logits the chunked loss holds at once (ignored by cross_entropy).
+    loss_chunk_tokens: int = 8192
     z_loss_weight: float = 0.0
 
 

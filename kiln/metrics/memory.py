@@ -17,7 +17,8 @@ fraction of one: the estimate counts that rank. The choice is made per weight.
 Activations, bf16, per transformer layer and micro-batch (Korthikanti et al. 2022, with flash
 attention so no seq² term, sequence parallel dividing everything by tp): ~34·s·b·d bytes kept
 for backward without checkpointing, 2·s·b·d (the block input) with it; a checkpointed run
-also holds one layer's full activations while recomputing. Plus fp32 logits and their gradient.
+also holds one layer's full activations while recomputing. Plus fp32 logits and their gradient
+(of one chunk of `train.loss_chunk_tokens` tokens with the chunked loss).
 An MoE block keeps the dense estimate's attention and norms and replaces its feed-forward share
 by what kiln's MoE feed-forward saves for backward (`moe_ffn_bytes_per_token`).
 Under pipeline parallel: the layers of one rank, for as many micro-batches as its schedule keeps
@@ -167,5 +168,7 @@ def estimate_memory(cfg: JobConfig, degrees: dict[str, int]) -> MemoryEstimate:
     per_micro_batch = checkpointed * checkpointed_layer + sum(sizes[: layers - checkpointed])
     recompute = sizes[0] if checkpointed else 0
     activations = in_flight * per_micro_batch + recompute
-    logits = 2 * 4 * tokens * m.vocab_size / degrees["tp"]  # fp32 logits and their gradient
+    # fp32 logits and their gradient, of one chunk of tokens at a time with the chunked loss.
+    logit_tokens = min(tokens, t.loss_chunk_tokens) if t.loss == "chunked_cross_entropy" else tokens
+    logits = 2 * 4 * logit_tokens * m.vocab_size / degrees["tp"]
     return MemoryEstimate(model_state=model_state, activations=activations + logits)

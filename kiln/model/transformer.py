@@ -62,6 +62,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embeds_input = True
+        # False: forward ends at the final norm and the loss applies the head (chunked loss).
+        self.applies_head = True
 
     def forward(
         self,
@@ -77,7 +79,8 @@ class Transformer(nn.Module):
 
         A pipeline stage (see `parallel/pipeline.py`) holds some of the layers: a stage after the
         first takes the previous stage's hidden states instead of tokens, and a stage before the
-        last returns hidden states instead of logits.
+        last returns hidden states instead of logits. Without `applies_head` the (last) stage
+        returns the final norm's output, to which the loss applies `head_weight()` itself.
         """
         if document_ids is not None and cache is not None:
             raise ValueError("document_ids cannot be combined with a KV cache")
@@ -90,11 +93,18 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h)
+        if not self.applies_head:
+            return h
         if self.output is None:
             if isinstance(h, DTensor):  # tensor parallel: gather the sequence, keep the vocab split
                 h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight (vocab, dim): the embedding's when tied. Read it after the
+        forward, never kept: FSDP swaps the parameters between sharded and gathered."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def parallel_plan(self) -> ParallelPlan:
         """What kiln/parallel/ needs to know of this model's structure (see parallel_plan.py)."""

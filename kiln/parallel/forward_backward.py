@@ -57,9 +57,10 @@ class ForwardBackward:
         if self.schedule is not None:
             return self._pipelined(inputs, labels, scale=scale)
         with self.loss_context():
+            # The loss too: the chunked loss runs the output head (cross entropy is fp32 anyway).
             with self.autocast:
-                logits = self.model_parts[0](inputs, **self.model_kwargs(inputs))
-            losses = self.loss_fn(logits, labels)
+                output = self.model_parts[0](inputs, **self.model_kwargs(inputs))
+                losses = self.loss_fn(output, labels)
             if scale is not None:
                 (losses.sum() * scale).backward()
         return _full(losses.detach())

@@ -71,6 +71,7 @@ def apply_fsdp(
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     # The root unit holds what is outside the blocks (for Llama embeddings, final norm and output
     # head); it is gathered for the whole step anyway, so it is not resharded after forward.
+    # The chunked loss relies on it: it applies the gathered head after the model's forward.
     if mesh is not None:
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 

@@ -41,7 +41,7 @@ from kiln.resilience.nan_injection import NanInjection
 from kiln.train.dataset_losses import DatasetLosses
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
-from kiln.train.loss import count_valid, token_loss_sum
+from kiln.train.loss import chunked_token_loss_sum, count_valid, token_loss_sum
 from kiln.train.schedule import lr_factor
 
 
@@ -82,6 +82,13 @@ class TrainStep:
         self.nan_injection = NanInjection(
             cfg.resilience.debug_nan_steps, rank=parallel.rank, world_size=parallel.world_size
         )
+        # The chunked loss applies the output head itself, chunk by chunk: the model (the last
+        # pipeline stage) ends at the final norm. FSDP keeps the head gathered from the root
+        # unit's forward to its backward (kiln/parallel/fsdp.py), when the loss reads it.
+        self.chunked = cfg.train.loss == "chunked_cross_entropy"
+        for part in model_parts:
+            part.applies_head = not self.chunked
+        self.head_part = next((part for part in model_parts if part.norm is not None), None)
         self.forward_backward = ForwardBackward(
             model_parts,
             cfg,
@@ -265,13 +272,23 @@ class TrainStep:
             data_group=self.parallel.data_group(), pipeline_group=self.pipeline_group
         )
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        losses = token_loss_sum(
-            logits,
-            labels,
-            z_loss_weight=self.cfg.train.z_loss_weight,
-            per_row=self.dataset_losses is not None,
-        )
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-loss sums from the model's output: logits, or with the chunked loss the final
+        norm's output."""
+        train, per_row = self.cfg.train, self.dataset_losses is not None
+        if self.chunked:
+            losses = chunked_token_loss_sum(
+                output,
+                self.head_part.head_weight(),
+                labels,
+                chunk_tokens=train.loss_chunk_tokens,
+                z_loss_weight=train.z_loss_weight,
+                per_row=per_row,
+            )
+        else:
+            losses = token_loss_sum(
+                output, labels, z_loss_weight=train.z_loss_weight, per_row=per_row
+            )
         return self.nan_injection.apply(losses)
 
     def _model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
