@@ -35,6 +35,11 @@ def optimizer_problems(cfg: JobConfig) -> list[str]:
                 f"scheduler.name = {cfg.scheduler.name!r}: set scheduler.name = 'constant' "
                 "(scheduler.warmup_steps still warms it up), or pick another optimizer"
             )
+        if o.name == "schedule_free_adamw" and o.betas and o.betas[0] == 0:
+            p.append(
+                "optimizer.betas[0] must be > 0 for 'schedule_free_adamw': it interpolates "
+                "between the average and the base sequence (0 would lose the average)"
+            )
         return p
     if o.momentum is not None and not 0 <= o.momentum < 1:
         p.append(f"optimizer.momentum must be in [0, 1), got {o.momentum}")

@@ -4,6 +4,7 @@ AdamW: weight decay on matrices only, fused kernels where they exist. Muon: the 
 (attention, feed-forward, routed experts, router) are orthogonalized by Muon; the embeddings,
 the output head, the norms and any vector go to AdamW with `[optimizer.adamw]`'s settings (each
 unset key taking `[optimizer]`'s), since orthogonalizing a lookup table or a gain is meaningless.
+Lion and Schedule-Free AdamW: every weight, decayed as under AdamW (see docs/optimizers.md).
 
 Each param group keeps its own starting lr as `base_lr`: the schedule scales every group's,
 so Muon's AdamW half may run at another lr than its matrices.
@@ -16,7 +17,9 @@ from torch import nn
 
 from kiln.config.sections import OptimizerConfig
 from kiln.errors import ConfigError
+from kiln.train.lion import Lion
 from kiln.train.muon import Muon
+from kiln.train.schedule_free import ScheduleFreeAdamW
 
 
 def build_optimizer(
@@ -24,10 +27,15 @@ def build_optimizer(
 ) -> list[torch.optim.Optimizer]:
     """The optimizers of one model part (one, or Muon and AdamW), their groups tagged with
     `base_lr`. `ns_dtype`: the dtype of Muon's Newton–Schulz iterations."""
+    groups = _decay_groups(_trainable(model), cfg.weight_decay)
     if cfg.name == "muon":
         optimizers = _muon(model, cfg, ns_dtype)
+    elif cfg.name == "lion":
+        optimizers = [Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas))]
+    elif cfg.name == "schedule_free_adamw":
+        optimizers = [ScheduleFreeAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)]
     else:
-        optimizers = [_adamw(_decay_groups(_trainable(model), cfg.weight_decay), cfg)]
+        optimizers = [_adamw(groups, cfg)]
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["base_lr"] = group["lr"]

@@ -30,6 +30,7 @@ from kiln.resilience.preemption import Preempted
 from kiln.resilience.time_limit import TimeLimit
 from kiln.train.optimizer import build_optimizer
 from kiln.train.preflight import check_stop_at_step
+from kiln.train.schedule_free import optimizer_eval_point, optimizer_train_point
 from kiln.train.step import StepResult, TrainStep
 
 
@@ -88,6 +89,7 @@ class Trainer:
         state = self.checkpoints.restore(start, model=self.model_parts, optimizer=self.optimizers)
         if state is not None:
             self._continue_from(state)
+        optimizer_train_point(self.optimizers)  # a checkpoint holds Schedule-Free's eval point
         self.nan_guard = NanGuard(
             max_consecutive=cfg.resilience.nan_max_consecutive, action=cfg.resilience.nan_action
         )
@@ -223,6 +225,7 @@ class Trainer:
         if action == "rollback":
             bad_step = self.step
             state = self.checkpoints.rollback(model=self.model_parts, optimizer=self.optimizers)
+            optimizer_train_point(self.optimizers)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             guard.reset()
             if self.parallel.is_main:
@@ -255,7 +258,8 @@ class Trainer:
             )
 
     def evaluate(self) -> dict[str, float]:
-        return self.step_fn.evaluate(self.eval_data)
+        with optimizer_eval_point(self.optimizers):
+            return self.step_fn.evaluate(self.eval_data)
 
     def _open_data(self):
         # Rank 0 builds what is missing (the built-in corpus, tokenized Hugging Face datasets)
@@ -267,19 +271,22 @@ class Trainer:
         return open_data(self.cfg, cache_dir=cache_dir)
 
     def save(self) -> None:
-        """Checkpoint this step (in the background with checkpoint.async_mode = "async")."""
-        self.checkpoints.save(
-            self.step,
-            model=self.model_parts,
-            optimizer=self.optimizers,
-            config=self.cfg,
-            train_state={
-                **self.loader.state_dict(),
-                "tokens_seen": self.tokens_seen,
-                "fingerprint": self.fingerprint(),
-            },
-            tokenizer_path=training_tokenizer(self.cfg.data, self.sources),
-        )
+        """Checkpoint this step (in the background with checkpoint.async_mode = "async"). The
+        weights saved are Schedule-Free's evaluation point; an async save returns once the state
+        is copied (staged), so training may move the weights back at once."""
+        with optimizer_eval_point(self.optimizers):
+            self.checkpoints.save(
+                self.step,
+                model=self.model_parts,
+                optimizer=self.optimizers,
+                config=self.cfg,
+                train_state={
+                    **self.loader.state_dict(),
+                    "tokens_seen": self.tokens_seen,
+                    "fingerprint": self.fingerprint(),
+                },
+                tokenizer_path=training_tokenizer(self.cfg.data, self.sources),
+            )
 
     def fingerprint(self) -> dict:
         return run_fingerprint(self.cfg, global_batch=self.global_batch)
