@@ -134,7 +134,9 @@ class Muon(torch.optim.Optimizer):
             ortho = newton_schulz(whole, steps=steps, dtype=self.ns_dtype)
         else:
             ortho = _computed_by_owner(whole, param.device_mesh, owner, shared_dims, steps, self)
-        result = DTensor.from_local(ortho, param.device_mesh, whole_placements, shape=param.shape)
+        result = DTensor.from_local(
+            ortho, param.device_mesh, whole_placements, shape=param.shape, stride=param.stride()
+        )
         return result.redistribute(placements=param.placements).to_local()
 
 
@@ -168,7 +170,9 @@ def _computed_by_owner(
     coordinate = mesh.get_coordinate()
     mine = [coordinate[d] for d in shared_dims]
     if mine == owner:
-        result = newton_schulz(whole, steps=steps, dtype=muon.ns_dtype)
+        # Contiguous: the receivers read the bytes in row-major order (a tall matrix comes back
+        # from newton_schulz as a transposed view).
+        result = newton_schulz(whole, steps=steps, dtype=muon.ns_dtype).contiguous()
     else:
         result = torch.empty_like(whole)
     # After the broadcast along shared dim k, the ranks agreeing with the owner on the dims
