@@ -278,7 +278,7 @@ def cmd_check(args) -> int:
     )
     print(
         f"# memory per GPU (estimate): {memory.total / 2**30:.1f} GiB = model state {memory.model_state / 2**30:.1f} GiB"
-        f" (fp32 weights, grads, AdamW{experts[0]}) + activations {memory.activations / 2**30:.1f} GiB"
+        f" (fp32 weights, grads, {OPTIMIZER_STATE[cfg.optimizer.name]}{experts[0]}) + activations {memory.activations / 2**30:.1f} GiB"
         f" ({experts[1]}activation_checkpointing = {cfg.train.activation_checkpointing!r})"
     )
     if cfg.model.num_experts > 0:
@@ -292,6 +292,17 @@ def cmd_check(args) -> int:
             print(f"# {note}")
     print("# config OK")
     return 0
+
+
+# What the memory estimate's model state holds besides weights and gradients, per optimizer
+# (kiln/metrics/memory.py): 8 bytes per parameter of AdamW moments or Schedule-Free z and v, 4 of
+# Lion's momentum, Muon's momentum (4) for its matrices and AdamW's moments for the rest.
+OPTIMIZER_STATE = {
+    "adamw": "AdamW",
+    "muon": "Muon/AdamW state",
+    "lion": "Lion state",
+    "schedule_free_adamw": "Schedule-Free AdamW state",
+}
 
 
 def _expert_state_label(model, layout: dict[str, int]) -> str:

@@ -1,6 +1,9 @@
 """Back-of-the-envelope memory per GPU for `kiln check`: model state plus activations.
 
-Model state: fp32 weights, gradients and two AdamW moments (16 bytes per parameter), divided
+Model state: fp32 weights and gradients (8 bytes per parameter) and the optimizer's state
+(`state_bytes_per_param`): AdamW's two moments and Schedule-Free AdamW's z and v 8 bytes, Lion's
+momentum 4, Muon's momentum 4 for the matrices it takes (attention, feed-forwards, experts,
+router, shared experts) and AdamW's 8 for the rest (embeddings, output head, norms). Divided
 over every dimension that shards parameters: dp_shard, ep (its ranks read other batches, so FSDP
 shards the dense parameters over dp_shard × ep), cp, tp, pp. With MoE every expert counts: a
 token uses only its top-k, but every expert has weights, gradients and moments. The routed
@@ -129,23 +132,54 @@ def routed_expert_params(m: ModelConfig) -> int:
     return moe_layers * m.num_experts * 3 * m.dim * m.expert_hidden_dim
 
 
-def model_state_bytes(m: ModelConfig, degrees: dict[str, int]) -> float:
-    """fp32 weights, gradients and AdamW moments one rank holds (the busiest, for the experts)."""
+# fp32 weights and gradients.
+WEIGHT_AND_GRAD_BYTES = 8
+
+
+def state_bytes_per_param(optimizer: str, *, muon_matrix: bool) -> int:
+    """fp32 optimizer state per parameter: AdamW's two moments, Schedule-Free AdamW's z and v,
+    Lion's momentum; Muon's momentum for the matrices it orthogonalizes (`muon_matrix`), AdamW's
+    moments for the rest."""
+    if optimizer == "lion" or (optimizer == "muon" and muon_matrix):
+        return 4
+    return 8
+
+
+def muon_matrix_params(m: ModelConfig) -> int:
+    """Parameters Muon takes (kiln/train/optimizer.py): every matrix but the token embeddings and
+    the output head, i.e. all but those and the norms' gains (the only vectors)."""
+    params = count_params(m)
+    head = 0 if m.tie_embeddings else params.embedding
+    norms = m.n_layers * (2 * m.dim + (2 * m.head_dim if m.qk_norm else 0)) + m.dim
+    return params.total - params.embedding - head - norms
+
+
+def model_state_bytes(m: ModelConfig, degrees: dict[str, int], optimizer: str = "adamw") -> float:
+    """fp32 weights, gradients and `optimizer`'s state one rank holds (the busiest, for the
+    experts)."""
     experts = routed_expert_params(m) if m.num_experts > 0 else 0
+    total = count_params(m).total
+    # Muon's AdamW half (embeddings, head, norms) is counted apart from its matrices; for the
+    # other optimizers every parameter costs the same.
+    adamw_half = total - muon_matrix_params(m) if optimizer == "muon" else 0
+    matrix = WEIGHT_AND_GRAD_BYTES + state_bytes_per_param(optimizer, muon_matrix=True)
+    rest = WEIGHT_AND_GRAD_BYTES + state_bytes_per_param(optimizer, muon_matrix=False)
     # Dense parameters (and an MoE layer's router and shared experts): TP splits them (those it
     # applies to), FSDP shards them over dp_shard × ep (and the tp ranks for what TP leaves
     # whole), pipeline stages split the layers.
     dense_shards = degrees["dp_shard"] * degrees["ep"] * degrees["cp"] * degrees["tp"]
-    dense = (count_params(m).total - experts) / (dense_shards * degrees["pp"])
+    dense_bytes = matrix * (total - experts - adamw_half) + rest * adamw_half
+    dense = dense_bytes / (dense_shards * degrees["pp"])
     if not experts:
-        return 16 * dense
+        return dense
     stored = expert_shards(m, degrees).stored
-    return 16 * (dense + experts * stored / m.num_experts / degrees["pp"])
+    # The routed experts are matrices: Muon's when it is the optimizer.
+    return dense + matrix * experts * stored / m.num_experts / degrees["pp"]
 
 
 def estimate_memory(cfg: JobConfig, degrees: dict[str, int]) -> MemoryEstimate:
     m, t = cfg.model, cfg.train
-    model_state = model_state_bytes(m, degrees)
+    model_state = model_state_bytes(m, degrees, cfg.optimizer.name)
     # Under pipeline parallel a pass is split into micro-batches, several of them in flight.
     n_micro = microbatches(cfg.distributed, t.batch_size) if degrees["pp"] > 1 else 1
     in_flight = in_flight_microbatches(cfg.distributed, n_micro)

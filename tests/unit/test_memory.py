@@ -1,6 +1,6 @@
-"""kiln check's memory estimate: checkpointing, sharding, and MoE (every expert's weights,
-the top-k experts' activations, expert parallel's split of the experts, FSDP's split of each
-expert's rows and its whole-expert chunks where the rows do not divide)."""
+"""kiln check's memory estimate: checkpointing, sharding, each optimizer's state, and MoE (every
+expert's weights, the top-k experts' activations, expert parallel's split of the experts, FSDP's
+split of each expert's rows and its whole-expert chunks where the rows do not divide)."""
 
 import pytest
 import torch
@@ -8,22 +8,28 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
 from kiln.cli import main
 from kiln.config import JobConfig, ModelConfig
+from kiln.config.sections import OptimizerConfig
 from kiln.metrics.memory import (
     ExpertShards,
     estimate_memory,
     expert_shards,
     expert_weight_dims,
     layer_bytes_per_token,
+    model_state_bytes,
     moe_ffn_bytes_per_token,
+    muon_matrix_params,
     routed_expert_params,
 )
-from kiln.model import count_params
+from kiln.model import build_model, count_params
 from kiln.model.moe import MoEFeedForward
 from kiln.model.moe.experts import GroupedExperts
 from kiln.parallel.fsdp import _within_experts
+from kiln.train.muon import Muon
+from kiln.train.optimizer import build_optimizer
 from tests.conftest import REPO
 
 ONE = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
+OPTIMIZER_NAMES = ("adamw", "muon", "lion", "schedule_free_adamw")
 
 
 def job(ac: str) -> JobConfig:
@@ -53,6 +59,70 @@ def test_model_state_is_sharded_over_every_parameter_splitting_dim():
     assert whole == 16 * count_params(cfg.model).total
     split = estimate_memory(cfg, {**ONE, "dp_shard": 4, "tp": 2, "dp_replicate": 3}).model_state
     assert split == whole / 8
+
+
+def muon_params(m: ModelConfig) -> int:
+    """What build_optimizer gives Muon (the model on the meta device: nothing allocated)."""
+    optimizers = build_optimizer(build_model(m), OptimizerConfig(name="muon"))
+    muon = [o for o in optimizers if isinstance(o, Muon)]
+    return sum(p.numel() for o in muon for group in o.param_groups for p in group["params"])
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {},
+        dict(tie_embeddings=True),
+        dict(qk_norm=True),
+        dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_dim=64, moe_first_dense_layers=1),
+        dict(
+            num_experts=4,
+            moe_top_k=2,
+            moe_ffn_hidden_dim=64,
+            moe_shared_experts=1,
+            moe_shared_expert_gate=True,
+            moe_router="sigmoid",
+            moe_bias_update_rate=0.01,
+        ),
+    ],
+)
+def test_muon_matrices_are_those_build_optimizer_gives_muon(model):
+    m = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=100, **model)
+    assert muon_matrix_params(m) == muon_params(m)
+    head = 0 if m.tie_embeddings else count_params(m).embedding
+    assert 0 < muon_matrix_params(m) < count_params(m).total - count_params(m).embedding - head
+
+
+def test_model_state_per_optimizer():
+    """8 bytes of fp32 weight and gradient per parameter, and the state: AdamW's two moments and
+    Schedule-Free's z and v 8, Lion's momentum 4, Muon's momentum 4 for its matrices and
+    AdamW's 8 for the embeddings, head and norms."""
+    cfg = job("full")
+    total, matrices = count_params(cfg.model).total, muon_matrix_params(cfg.model)
+    state = {name: model_state_bytes(cfg.model, ONE, name) for name in OPTIMIZER_NAMES}
+    assert state["adamw"] == state["schedule_free_adamw"] == 16 * total
+    assert state["lion"] == 12 * total
+    assert state["muon"] == 12 * matrices + 16 * (total - matrices)
+    assert state["lion"] < state["muon"] < state["adamw"]
+    cfg.optimizer.name = "muon"
+    assert estimate_memory(cfg, ONE).model_state == state["muon"]
+    # Sharded like the rest: every dimension that splits parameters divides each share.
+    split = {**ONE, "dp_shard": 4, "tp": 2, "pp": 2}
+    assert model_state_bytes(cfg.model, split, "muon") == pytest.approx(state["muon"] / 16)
+
+
+def test_muon_counts_the_routed_experts_as_its_matrices():
+    cfg = moe_job()
+    total, experts = count_params(cfg.model).total, routed_expert_params(cfg.model)
+    matrices = muon_matrix_params(cfg.model)
+    assert experts < matrices  # experts, router, attention
+    rest = total - matrices
+    assert model_state_bytes(cfg.model, ONE, "muon") == 12 * matrices + 16 * rest
+    # Over 6 FSDP ranks within each of 2 ep ranks, whole experts: the busiest rank holds one
+    # of its 4 experts whole (see below), at Muon's 12 bytes.
+    layout = {**ONE, "ep": 2, "dp_shard": 6}
+    dense = (12 * (matrices - experts) + 16 * rest) / 12
+    assert model_state_bytes(cfg.model, layout, "muon") == pytest.approx(dense + 12 * experts / 8)
 
 
 MOE = dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=256)
@@ -199,6 +269,8 @@ def test_kiln_check_names_the_expert_share_and_the_padding(capsys):
     assert main(["check", recipe, "--config-only", "--world-size", "4", "--distributed.ep=2"]) == 0
     out = capsys.readouterr().out
     assert "(fp32 weights, grads, AdamW of this ep rank's 4 of 8 experts)" in out
+    assert main(["check", recipe, "--config-only", "--optimizer.name=muon"]) == 0
+    assert "(fp32 weights, grads, Muon/AdamW state of all 8 experts)" in capsys.readouterr().out
     assert "# experts:" not in out  # 4 experts over 2 FSDP ranks divide evenly
     # 4 experts over 8 ranks: the rows (128) divide, so no padding either.
     assert main(["check", recipe, "--config-only", "--world-size", "16", "--distributed.ep=2"]) == 0
