@@ -24,4 +24,8 @@ def demo_data(tmp_path_factory) -> Path:
 @pytest.fixture
 def debug_overrides(demo_data, tmp_path) -> list[str]:
     """Overrides that point the debug recipe at the session corpus and a fresh run dir."""
-    return [f"--data.path={demo_data}", f"--metrics.run_dir={tmp_path / 'run'}"]
+    return [
+        f"--data.path={demo_data}",
+        f"--metrics.run_dir={tmp_path / 'run'}",
+        "--data.num_workers=0",
+    ]

@@ -194,7 +194,7 @@ def test_killed_run_resumes_bitwise(demo_data, tmp_path):
     common = [
         DEBUG_CONFIG,
         f"--data.path={demo_data}",
-        "--train.max_steps=24",
+        "--train.max_steps=12",
         "--metrics.log_interval=1",
         "--checkpoint.interval=4",
     ]
@@ -211,7 +211,7 @@ def test_killed_run_resumes_bitwise(demo_data, tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert marker.exists()
-    assert not (tmp_path / "broken" / "checkpoints" / "step_00000024").exists(), (
+    assert not (tmp_path / "broken" / "checkpoints" / "step_00000012").exists(), (
         "the run finished before it was killed"
     )
 
