@@ -42,6 +42,11 @@ def build_optimizer(
     return optimizers
 
 
+def newton_schulz_dtype(mixed_precision: str) -> torch.dtype:
+    """bf16, as torch.optim.Muon; fp32 in an fp32 run, where the parity tests compare at 1e-5."""
+    return torch.float32 if mixed_precision == "fp32" else torch.bfloat16
+
+
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 

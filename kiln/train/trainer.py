@@ -28,7 +28,7 @@ from kiln.parallel.mesh import init_parallel
 from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog
 from kiln.resilience.preemption import Preempted
 from kiln.resilience.time_limit import TimeLimit
-from kiln.train.optimizer import build_optimizer
+from kiln.train.optimizer import build_optimizer, newton_schulz_dtype
 from kiln.train.preflight import check_stop_at_step
 from kiln.train.schedule_free import optimizer_eval_point, optimizer_train_point
 from kiln.train.step import StepResult, TrainStep
@@ -59,10 +59,9 @@ class Trainer:
         seed = None if start.loads_weights else cfg.train.seed
         for part in self.model_parts:
             materialize(part, device=self.device, seed=seed)
-        # Muon's Newton–Schulz runs in bf16, in fp32 where the run is fp32 (parity tests).
-        ns_dtype = torch.float32 if cfg.train.mixed_precision == "fp32" else torch.bfloat16
+        ns_dtype = newton_schulz_dtype(cfg.train.mixed_precision)
         self.optimizers = [
-            build_optimizer(part, cfg.optimizer, ns_dtype=ns_dtype) for part in self.model_parts
+            build_optimizer(p, cfg.optimizer, ns_dtype=ns_dtype) for p in self.model_parts
         ]
         self.step_fn = TrainStep(
             cfg,
@@ -271,9 +270,8 @@ class Trainer:
         return open_data(self.cfg, cache_dir=cache_dir)
 
     def save(self) -> None:
-        """Checkpoint this step (in the background with checkpoint.async_mode = "async"). The
-        weights saved are Schedule-Free's evaluation point; an async save returns once the state
-        is copied (staged), so training may move the weights back at once."""
+        """Checkpoint this step (in the background with checkpoint.async_mode = "async"), with
+        Schedule-Free's weights at their evaluation point (an async save has copied them)."""
         with optimizer_eval_point(self.optimizers):
             self.checkpoints.save(
                 self.step,
