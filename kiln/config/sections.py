@@ -90,7 +90,7 @@ class TrainConfig:
     grad_clip_norm: float = 1.0
     loss: str = "cross_entropy"  # or "chunked_cross_entropy": the same loss, never all the logits
     # Tokens whose logits the chunked loss holds at once (ignored by cross_entropy).
-    loss_chunk_tokens: int = 8192
+    loss_chunk_tokens: int = 2048
     z_loss_weight: float = 0.0
 
 
