@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from kiln.tokens import IGNORE_INDEX
 from kiln.train.loss import chunked_token_loss_sum, token_loss_sum
 from tests.distributed.parity import GLOBAL_BATCH, assert_parity, records, schedule
+from tests.largest_tensor import LargestTensor
 
 CHUNKED = ("--train.loss=chunked_cross_entropy", "--train.loss_chunk_tokens=48")
 Z_LOSS = ("--train.z_loss_weight=1e-3",)  # the reference runs it too
@@ -65,23 +64,6 @@ def test_tensor_parallel_chunks_hold_one_shard_of_one_chunk(gangs):
 ROWS, SEQ, DIM, VOCAB, CHUNK = 2, 40, 16, 600, 30  # 80 tokens: a ragged last chunk of 20
 
 
-class LargestLocalTensor(TorchDispatchMode):
-    """The most elements of any tensor an op returns on this rank (a DTensor's local part)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, DTensor):
-                leaf = leaf._local_tensor
-            if isinstance(leaf, torch.Tensor):
-                self.numel = max(self.numel, leaf.numel())
-        return out
-
-
 def check_tensor_parallel_chunks() -> None:
     """A gang job at tp=2: the final norm's output split by sequence, the head by vocabulary,
     as the model's plan leaves them."""
@@ -102,7 +84,7 @@ def check_tensor_parallel_chunks() -> None:
             # tp=2, chunked.
             h_tp = distribute_tensor(hidden, mesh, [Shard(1)]).requires_grad_()
             w_tp = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
-            with loss_parallel(), LargestLocalTensor() as largest:
+            with loss_parallel(), LargestTensor() as largest:
                 got = chunked_token_loss_sum(h_tp, w_tp, labels, chunk_tokens=CHUNK, **kwargs)
                 got.sum().backward()
             assert largest.numel == CHUNK * VOCAB // 2, largest.numel

@@ -4,8 +4,6 @@ logits, with its gradients, without ever holding the logits of all tokens."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from kiln.checkpoint.fingerprint import run_fingerprint
 from kiln.config import load_config
@@ -14,6 +12,7 @@ from kiln.metrics.memory import estimate_memory
 from kiln.tokens import IGNORE_INDEX
 from kiln.train.loss import chunked_token_loss_sum, token_loss_sum
 from tests.conftest import DEBUG_CONFIG
+from tests.largest_tensor import LargestTensor
 from tests.unit.test_trainer import make_trainer
 
 ROWS, SEQ, DIM, VOCAB = 3, 37, 16, 500  # 111 tokens: chunks of 25 leave a ragged 11
@@ -68,21 +67,6 @@ def test_no_grad_gives_the_same_loss():
         got = chunked_token_loss_sum(hidden, weight, labels, chunk_tokens=25, z_loss_weight=1e-3)
     expected = plain(hidden, weight, labels, z_loss_weight=1e-3)
     assert torch.allclose(got, expected, rtol=1e-6)
-
-
-class LargestTensor(TorchDispatchMode):
-    """The most elements of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self.numel = max(self.numel, leaf.numel())
-        return out
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["sum", "per_row"])
