@@ -26,7 +26,7 @@ ranks    under torchrun, FSDP dp_shard = ranks, one thread per rank (gloo): adam
 all      (default) single on the demo preset (with --ns-shapes) and on llama3_125m, Muon's bf16
          step left out (--bf16-step times it: ~1 min a step on demo, ~20 min on llama3_125m);
          then ranks at 1, 2 and 4 on the debug preset; prints the tables of
-         benchmarks/optimizers.md. About 6 minutes on 2 busy cores.
+         benchmarks/optimizers.md. 1.5-2.5 minutes on 2 shared cores.
 
     python benchmarks/optimizers.py
     python benchmarks/optimizers.py single --model demo --repeats 3            # bf16 step too
