@@ -10,9 +10,11 @@ orthogonalized expert by expert; under expert parallel each ep rank gathers and 
 only its own experts.
 
 Every rank holding a matrix can orthogonalize it (`owner_compute = False`: no more
-communication, the same work on every rank), or only one of them, its owner, chosen round-robin
-over the matrices, which sends the result to the others (`owner_compute = True`: the work is
-divided by the ranks, one broadcast per matrix is added).
+communication, the same work on every rank), or only one of them, its owner, which sends the
+result to the others (`owner_compute = True`): the matrices go in buckets of as many as the ranks
+holding them, each rank orthogonalizes its own of the bucket, all at once, then each result is
+broadcast from its owner. The work is divided by the ranks for one broadcast per matrix, and a
+bucket's gathered matrices are held at once.
 """
 
 from __future__ import annotations
@@ -91,14 +93,14 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon takes no closure"
-        index = 0  # the matrix's position over all groups: it picks the owner
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                update = self._momentum_update(param, group)
-                ortho = self._orthogonalized(param, update, group["ns_steps"], owner_index=index)
-                index += 1
+        pending = [
+            (param, group, self._momentum_update(param, group))
+            for group in self.param_groups
+            for param in group["params"]
+            if param.grad is not None
+        ]
+        for bucket in _buckets(pending, by_owner=self.owner_compute):
+            for (param, group, _), ortho in zip(bucket, self._orthogonalized(bucket), strict=True):
                 local = _local(param)
                 local.mul_(1 - group["lr"] * group["weight_decay"])
                 local.add_(ortho, alpha=-adjusted_lr(group["lr"], param.shape, group["adjust_lr"]))
@@ -116,28 +118,70 @@ class Muon(torch.optim.Optimizer):
             return grad.lerp(buffer, group["momentum"])
         return buffer.clone()
 
-    def _orthogonalized(
-        self, param: torch.Tensor, update: torch.Tensor, steps: int, *, owner_index: int
-    ) -> torch.Tensor:
-        """This rank's part of the orthogonalized update: the matrices gathered whole, then
-        orthogonalized by every rank holding them or by one owner that sends them on."""
+    def _orthogonalized(self, bucket: list[tuple]) -> list[torch.Tensor]:
+        """This rank's parts of the orthogonalized updates of `bucket`: matrices held whole, once
+        gathered, by the same ranks. With owners, the k-th rank orthogonalizes the k-th matrix,
+        all of them at once, and then each is broadcast from its owner; else every rank
+        orthogonalizes every matrix."""
+        param = bucket[0][0]
         if not isinstance(param, DTensor):
-            return newton_schulz(update, steps=steps, dtype=self.ns_dtype)
-        spread = DTensor.from_local(
-            update, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+            return [self._newton_schulz(update, group) for _, group, update in bucket]
+        mesh, whole_placements = param.device_mesh, _whole_matrices(param)
+        shared = [d for d, p in enumerate(whole_placements) if p.is_replicate()]
+        mine = [mesh.get_coordinate()[d] for d in shared]
+        wholes = [_gathered(p, update, whole_placements) for p, _, update in bucket]
+        owners = [
+            _owner(mesh, shared, k) if self.owner_compute else None for k in range(len(bucket))
+        ]
+        results = [
+            # Contiguous: receivers read the bytes row-major (a tall matrix comes back from
+            # newton_schulz as a transposed view).
+            self._newton_schulz(whole, group).contiguous()
+            if owner is None or owner == mine
+            else torch.empty_like(whole)
+            for (_, group, _), whole, owner in zip(bucket, wholes, owners, strict=True)
+        ]
+        for result, owner in zip(results, owners, strict=True):
+            if owner is not None:
+                _broadcast(result, mesh, shared, owner=owner, mine=mine)
+        return [
+            DTensor.from_local(ortho, mesh, whole_placements, shape=p.shape, stride=p.stride())
+            .redistribute(placements=p.placements)
+            .to_local()
+            for (p, _, _), ortho in zip(bucket, results, strict=True)
+        ]
+
+    def _newton_schulz(self, update: torch.Tensor, group: dict) -> torch.Tensor:
+        return newton_schulz(update, steps=group["ns_steps"], dtype=self.ns_dtype)
+
+
+def _buckets(pending: list[tuple], *, by_owner: bool) -> list[list[tuple]]:
+    """Consecutive matrices that the same ranks hold whole once gathered (one mesh, one way of
+    splitting), as many per bucket as those ranks: one matrix for each to orthogonalize."""
+    buckets, key = [], None
+    for item in pending:
+        param = item[0]
+        if not isinstance(param, DTensor) or not by_owner:
+            buckets.append([item])
+            key = None
+            continue
+        placements = _whole_matrices(param)
+        ranks = math.prod(
+            param.device_mesh.size(d) for d, p in enumerate(placements) if p.is_replicate()
         )
-        whole_placements = _whole_matrices(param)
-        whole = spread.redistribute(placements=whole_placements).to_local()
-        shared_dims = [d for d, p in enumerate(whole_placements) if p.is_replicate()]
-        owner = _owner(param.device_mesh, shared_dims, owner_index)
-        if not self.owner_compute or owner is None:
-            ortho = newton_schulz(whole, steps=steps, dtype=self.ns_dtype)
-        else:
-            ortho = _computed_by_owner(whole, param.device_mesh, owner, shared_dims, steps, self)
-        result = DTensor.from_local(
-            ortho, param.device_mesh, whole_placements, shape=param.shape, stride=param.stride()
-        )
-        return result.redistribute(placements=param.placements).to_local()
+        item_key = (id(param.device_mesh), tuple(placements))
+        if item_key != key or len(buckets[-1]) == ranks:
+            buckets.append([])
+            key = item_key
+        buckets[-1].append(item)
+    return buckets
+
+
+def _gathered(param: DTensor, update: torch.Tensor, placements: list) -> torch.Tensor:
+    spread = DTensor.from_local(
+        update, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+    return spread.redistribute(placements=placements).to_local()
 
 
 def _whole_matrices(param: DTensor) -> list:
@@ -162,28 +206,17 @@ def _owner(mesh, shared_dims: list[int], index: int) -> list[int] | None:
     return owner[::-1]
 
 
-def _computed_by_owner(
-    whole: torch.Tensor, mesh, owner: list[int], shared_dims: list[int], steps: int, muon: Muon
-) -> torch.Tensor:
-    """Orthogonalized on the owner, then broadcast dim by dim: first along the last shared dim
-    inside the owner's line, then along each earlier dim from the ranks that have it."""
-    coordinate = mesh.get_coordinate()
-    mine = [coordinate[d] for d in shared_dims]
-    if mine == owner:
-        # Contiguous: the receivers read the bytes in row-major order (a tall matrix comes back
-        # from newton_schulz as a transposed view).
-        result = newton_schulz(whole, steps=steps, dtype=muon.ns_dtype).contiguous()
-    else:
-        result = torch.empty_like(whole)
-    # After the broadcast along shared dim k, the ranks agreeing with the owner on the dims
-    # before k hold the result.
-    for k in reversed(range(len(shared_dims))):
+def _broadcast(
+    result: torch.Tensor, mesh, shared: list[int], *, owner: list[int], mine: list[int]
+) -> None:
+    """From the owner to every rank holding the matrix, dim by dim: along the last shared dim
+    inside the owner's line, then along each earlier dim from the ranks that have it (after
+    the broadcast along dim k, the ranks agreeing with the owner on the dims before k do)."""
+    for k in reversed(range(len(shared))):
         if mine[:k] != owner[:k]:
             continue
-        group = mesh.get_group(shared_dims[k])
-        source = dist.get_global_rank(group, owner[k])
-        dist.broadcast(result, src=source, group=group)
-    return result
+        group = mesh.get_group(shared[k])
+        dist.broadcast(result, src=dist.get_global_rank(group, owner[k]), group=group)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

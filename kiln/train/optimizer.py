@@ -42,9 +42,10 @@ def build_optimizer(
     return optimizers
 
 
-def newton_schulz_dtype(mixed_precision: str) -> torch.dtype:
-    """bf16, as torch.optim.Muon; fp32 in an fp32 run, where the parity tests compare at 1e-5."""
-    return torch.float32 if mixed_precision == "fp32" else torch.bfloat16
+def newton_schulz_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
+    """bf16 on GPUs, as torch.optim.Muon; fp32 in an fp32 run, where the parity tests compare at
+    1e-5, and on CPUs, whose bf16 matmuls run 24-174x slower than fp32 (benchmarks/optimizers.md)."""
+    return torch.bfloat16 if mixed_precision != "fp32" and device.type == "cuda" else torch.float32
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

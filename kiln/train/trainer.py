@@ -59,7 +59,7 @@ class Trainer:
         seed = None if start.loads_weights else cfg.train.seed
         for part in self.model_parts:
             materialize(part, device=self.device, seed=seed)
-        ns_dtype = newton_schulz_dtype(cfg.train.mixed_precision)
+        ns_dtype = newton_schulz_dtype(cfg.train.mixed_precision, self.device)
         self.optimizers = [
             build_optimizer(p, cfg.optimizer, ns_dtype=ns_dtype) for p in self.model_parts
         ]
