@@ -88,3 +88,11 @@ def test_unset_muon_keys_are_not_written_to_the_run_config():
 
     text = to_toml(JobConfig())
     assert "momentum" not in text and "adamw = {}" in text
+
+
+def test_muon_with_no_hidden_matrix_is_one_clear_error():
+    cfg = load_config(DEBUG_CONFIG, ["--optimizer.name=muon"])
+    model = materialize(build_model(cfg.model), device="cpu", seed=0)
+    model.layers = torch.nn.ModuleDict()  # embeddings, final norm and head only
+    with pytest.raises(ConfigError, match="found no hidden matrix to orthogonalize"):
+        build_optimizer(model, cfg.optimizer)
