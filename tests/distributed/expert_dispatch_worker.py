@@ -26,8 +26,14 @@ def run_local(x, indices, weights, capacity):
     return local.combine(scale_by_expert(rows, per_expert, 0), weights, state)
 
 
-def check_dispatch(capacity: float) -> None:
+def check_dispatch(*capacities: float) -> None:
     dist.init_process_group("gloo")
+    for capacity in capacities:
+        _check(capacity)
+    dist.destroy_process_group()
+
+
+def _check(capacity: float) -> None:
     rank, ranks = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(rank)
     tokens = 5 + 3 * rank
@@ -65,4 +71,3 @@ def check_dispatch(capacity: float) -> None:
     back.backward(upstream)
     if capacity == 0:
         assert torch.equal(back, x) and torch.equal(x_round.grad, upstream)
-    dist.destroy_process_group()
