@@ -251,12 +251,27 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
             "train.compile = true with distributed.tp > 1 is not supported yet (the compiled block's backward "
             "fails under sequence parallel on torch 2.13); use compile with FSDP/HSDP, or tp without compile"
         )
-    if d.cp > 1:
+    return p + _context_parallel_problems(cfg) + expert_parallel_problems(cfg)
+
+
+def _context_parallel_problems(cfg: JobConfig) -> list[str]:
+    """Each cp rank keeps 2 of 2·cp chunks of every sequence; under tp its part is split again."""
+    cp, tp, seq_len, p = cfg.distributed.cp, cfg.distributed.tp, cfg.train.seq_len, []
+    if cp <= 1 or seq_len <= 0:
+        return p
+    if seq_len % (2 * cp):
         p.append(
-            "distributed.cp > 1 (context parallel) is not built in this version; set distributed.cp = 1 "
-            "(for long sequences use activation_checkpointing or a larger tp)"
+            f"train.seq_len ({seq_len}) must be divisible by 2 × distributed.cp = {2 * cp}: context "
+            f"parallel cuts each sequence into 2·cp chunks (head-tail balancing); nearest: "
+            f"{_nearest_multiples(seq_len, 2 * cp)}"
         )
-    return p + expert_parallel_problems(cfg)
+    elif tp > 1 and (seq_len // cp) % tp:
+        p.append(
+            f"each cp rank's {seq_len // cp} tokens (train.seq_len / distributed.cp) must be divisible "
+            f"by distributed.tp ({tp}) for sequence parallel; use a train.seq_len divisible by "
+            f"{math.lcm(2 * cp, cp * tp)}"
+        )
+    return p
 
 
 def _pipeline_problems(cfg: JobConfig) -> list[str]:

@@ -1,5 +1,6 @@
 """Grouped-query causal self-attention on scaled_dot_product_attention, with an optional KV cache
-or a document mask (attention within each packed document, see document_mask.py)."""
+or a mask (attention within each packed document, or by global positions under context parallel;
+see document_mask.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # Set by context parallel (kiln/parallel/context_parallel.py): gathers the keys and
+        # values of the sequence's other parts, held by the other cp ranks.
+        self.context_parallel = None
 
     def forward(
         self,
@@ -36,8 +40,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
-        # Full tables in, sliced here: under sequence parallel only attention sees whole sequences.
-        cos, sin = cos[start : start + seq], sin[start : start + seq]
+        if cos.ndim == 2:
+            # Full tables in, sliced here: under sequence parallel only attention sees whole
+            # sequences. Tables for given positions (context parallel) come indexed already.
+            cos, sin = cos[start : start + seq], sin[start : start + seq]
         # -1 heads instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -47,6 +53,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
+        if self.context_parallel is not None:
+            k, v = self.context_parallel.gather_kv(k, v)
         if mask is not None:
             out = masked_attention(q, k, v, mask)
         else:

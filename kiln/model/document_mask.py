@@ -2,7 +2,11 @@
 
 Packed windows hold several documents, each ended by an EOS token. A query attends to earlier
 keys of its own document only. The mask is built once per batch from the document ids and shared
-by every layer; which kernel runs it is decided in `build_document_mask`.
+by every layer; which kernel runs it is decided in `_build`.
+
+Under context parallel a rank's queries are some chunks of the sequence and its keys the whole
+sequence, gathered in rank order: `build_position_mask` masks by global positions instead of by
+index (kiln/parallel/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 Kernel = Literal["auto", "sdpa", "flex"]
-# A boolean (batch, 1, seq, seq) mask for SDPA, or a block-sparse mask for flex attention.
+# A boolean (batch, 1, queries, keys) mask for SDPA, or a block-sparse mask for flex attention.
 DocumentMask = torch.Tensor | BlockMask
 
 
@@ -35,12 +39,38 @@ def build_document_mask(ids: torch.Tensor, kernel: Kernel = "auto") -> DocumentM
     never holds a (seq × seq) mask per sample in GPU memory. Elsewhere (CPU, i.e. tests and CI)
     SDPA with a dense boolean mask is simple and exact, and memory there is no concern.
     """
+    return _build(ids, ids, None, kernel)
+
+
+def build_position_mask(
+    positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    *,
+    ids: torch.Tensor | None = None,
+    key_ids: torch.Tensor | None = None,
+    kernel: Kernel = "auto",
+) -> DocumentMask:
+    """Causal mask by global position for queries at `positions` (batch, queries) over keys at
+    `key_positions` (batch, keys), and within documents when `ids` and `key_ids` are given:
+    context parallel's local queries against the keys of the whole sequence, in any order."""
+    if ids is None:
+        ids, key_ids = torch.zeros_like(positions), torch.zeros_like(key_positions)
+    return _build(ids, key_ids, (positions, key_positions), kernel)
+
+
+def _build(
+    ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    positions: tuple[torch.Tensor, torch.Tensor] | None,
+    kernel: Kernel,
+) -> DocumentMask:
+    """`positions` None: queries and keys are the same tokens, in sequence order."""
     if kernel == "auto":
         kernel = "flex" if ids.device.type == "cuda" else "sdpa"
     if kernel == "sdpa":
-        return _dense_mask(ids)
+        return _dense_mask(ids, key_ids, positions)
     if kernel == "flex":
-        return _block_mask(ids)
+        return _block_mask(ids, key_ids, positions)
     raise ValueError(f"unknown attention kernel {kernel!r}; expected 'auto', 'sdpa' or 'flex'")
 
 
@@ -65,21 +95,37 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def _dense_mask(ids: torch.Tensor) -> torch.Tensor:
-    seq = ids.shape[1]
-    positions = torch.arange(seq, device=ids.device)
-    causal = positions[:, None] >= positions[None, :]
-    same_document = ids[:, :, None] == ids[:, None, :]
+def _dense_mask(
+    ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    positions: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    if positions is None:
+        order = torch.arange(ids.shape[1], device=ids.device)
+        causal = order[:, None] >= order[None, :]
+    else:
+        causal = positions[0][:, :, None] >= positions[1][:, None, :]
+    same_document = ids[:, :, None] == key_ids[:, None, :]
     return (causal & same_document).unsqueeze(1)
 
 
-def _block_mask(ids: torch.Tensor) -> BlockMask:
-    batch, seq = ids.shape
+def _block_mask(
+    ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    positions: tuple[torch.Tensor, torch.Tensor] | None,
+) -> BlockMask:
+    batch, queries = ids.shape
+    keys = key_ids.shape[1]
 
     def causal_same_document(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+        return (q_idx >= kv_idx) & (ids[b, q_idx] == key_ids[b, kv_idx])
 
+    def causal_by_position_same_document(b, h, q_idx, kv_idx):
+        earlier = positions[0][b, q_idx] >= positions[1][b, kv_idx]
+        return earlier & (ids[b, q_idx] == key_ids[b, kv_idx])
+
+    mask_mod = causal_same_document if positions is None else causal_by_position_same_document
     # On CPU flex runs eagerly (tests only), so the compile would cost more than it saves.
     create = _compiled(create_block_mask) if ids.device.type == "cuda" else create_block_mask
     # H=None: one mask for all heads, also for the slice of heads a tensor-parallel rank holds.
-    return create(causal_same_document, batch, None, seq, seq, device=ids.device)
+    return create(mask_mod, batch, None, queries, keys, device=ids.device)

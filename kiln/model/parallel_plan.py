@@ -56,6 +56,10 @@ class ParallelPlan:
     # Mixture-of-Experts layers of one block, by path: modules with a `dispatcher` (the
     # `LocalDispatcher` interface) and stacked `experts`, which expert parallel splits over ep.
     block_moe: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
+    # Attention layers of one block, by path: modules whose `context_parallel` context parallel
+    # sets, to gather the keys and values of the sequence's other parts. None named: the family
+    # cannot run context parallel.
+    block_attention: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
 
 
 def llama_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -79,6 +83,7 @@ def llama_plan(cfg: ModelConfig) -> ParallelPlan:
         tied_weight="tok_embeddings.weight" if tied else None,
         block_sequence_units=_moe_sequence_units,
         block_moe=lambda block: ("feed_forward",) if _is_moe(block) else (),
+        block_attention=lambda block: ("attention",),
     )
 
 

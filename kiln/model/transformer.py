@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from kiln.config.sections import ModelConfig
 from kiln.model.attention import Attention
-from kiln.model.document_mask import DocumentMask, build_document_mask
+from kiln.model.document_mask import DocumentMask, build_document_mask, build_position_mask
 from kiln.model.feed_forward import FeedForward
 from kiln.model.init import fill_normal_, init_std
 from kiln.model.kv_cache import KVCache
@@ -62,6 +62,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embeds_input = True
+        # Set by context parallel (kiln/parallel/context_parallel.py): gathers the positions and
+        # document ids of the sequence's other parts for the attention mask.
+        self.context_parallel = None
         # False: forward ends at the final norm and the loss applies the head (chunked loss).
         self.applies_head = True
 
@@ -71,23 +74,33 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         *,
         document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab).
 
         With `document_ids` (batch, seq) (see `document_mask.document_ids`), attention stays
-        inside each document; one mask serves every layer.
+        inside each document; one mask serves every layer. With `positions` (batch, seq) the
+        tokens sit at those positions of their sequences (context parallel: some chunks of each
+        sequence; RoPE and the causal mask go by them).
 
         A pipeline stage (see `parallel/pipeline.py`) holds some of the layers: a stage after the
         first takes the previous stage's hidden states instead of tokens, and a stage before the
         last returns hidden states instead of logits. Without `applies_head` the (last) stage
         returns the final norm's output, to which the loss applies `head_weight()` itself.
         """
-        if document_ids is not None and cache is not None:
-            raise ValueError("document_ids cannot be combined with a KV cache")
-        mask = build_document_mask(document_ids) if document_ids is not None else None
+        if cache is not None and (document_ids is not None or positions is not None):
+            raise ValueError(
+                "a KV cache (generation) runs whole sequences in order in one process: "
+                "document_ids and positions (context parallel) cannot be combined with it"
+            )
+        mask = self._attention_mask(document_ids, positions)
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            # (batch, 1, seq, head_dim): broadcast over the heads.
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         h = self.tok_embeddings(x) if self.embeds_input else x
         for name, block in self.layers.items():
-            h = block(h, self.rope_cos, self.rope_sin, cache, int(name), mask=mask)
+            h = block(h, cos, sin, cache, int(name), mask=mask)
         if cache is not None:
             cache.advance(x.shape[1])
         if self.norm is None:
@@ -100,6 +113,19 @@ class Transformer(nn.Module):
                 h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def _attention_mask(
+        self, document_ids: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> DocumentMask | None:
+        """The mask every layer shares; None: plain causal attention over whole sequences."""
+        if positions is None:
+            return build_document_mask(document_ids) if document_ids is not None else None
+        key_positions, key_ids = positions, document_ids
+        if self.context_parallel is not None:  # the keys are the whole sequence's
+            key_positions = self.context_parallel.gather_sequence(positions)
+            if document_ids is not None:
+                key_ids = self.context_parallel.gather_sequence(document_ids)
+        return build_position_mask(positions, key_positions, ids=document_ids, key_ids=key_ids)
 
     def head_weight(self) -> torch.Tensor:
         """The output head's weight (vocab, dim): the embedding's when tied. Read it after the

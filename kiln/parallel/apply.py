@@ -1,8 +1,8 @@
 """The one place that knows the order in which parallelisms and wrappers are applied (DESIGN §4).
 
 PP split → TP → EP → CP → FP8 → AC → compile (per block) → FSDP2, the later steps on each
-pipeline stage. This version applies PP, TP, EP, AC, compile and FSDP/HSDP; CP and FP8 slot in at
-their place in this order. What each step applies to (blocks, module styles, FSDP units, stage
+pipeline stage. This version applies PP, TP, EP, CP, AC, compile and FSDP/HSDP; FP8 slots in at
+its place in this order. What each step applies to (blocks, module styles, FSDP units, stage
 boundaries) comes from the model family's plan, `model.parallel_plan()`.
 """
 
@@ -16,6 +16,7 @@ from kiln.config.sections import JobConfig
 from kiln.model.transformer import Transformer
 from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
 from kiln.parallel.all_to_all_stats import AllToAllStats
+from kiln.parallel.context_parallel import ContextParallel, apply_context_parallel
 from kiln.parallel.expert_parallel import apply_expert_parallel
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import ParallelContext
@@ -33,7 +34,7 @@ def apply_parallelism(
     plan = model.parallel_plan()
     # Decided on the whole model: every rank takes part in creating the sequence mesh.
     sequence_units = any(plan.block_sequence_units(b) for b in getattr(model, plan.blocks).values())
-    degrees = parallel.degrees if parallel is not None else {"pp": 1, "tp": 1, "ep": 1}
+    degrees = parallel.degrees if parallel is not None else {"pp": 1, "tp": 1, "ep": 1, "cp": 1}
     pipelined = degrees["pp"] > 1
     parts = (
         split_into_stages(model, cfg, parallel.mesh.get_local_rank("pp")) if pipelined else [model]
@@ -44,6 +45,7 @@ def apply_parallelism(
     expert_mesh = parallel.expert_fsdp_mesh() if degrees["ep"] > 1 else None
     # One per rank, shared by the dispatchers of all its stages: what the exchanges moved.
     all_to_all_stats = AllToAllStats(parallel.device) if degrees["ep"] > 1 else None
+    context = ContextParallel(parallel.cp_mesh()) if degrees["cp"] > 1 else None
     sharded = fsdp_mesh is not None or sequence_mesh is not None
     shard = partial(
         apply_fsdp,
@@ -64,6 +66,8 @@ def apply_parallelism(
             apply_tensor_parallel(part, plan, parallel.mesh["tp"])
         if degrees["ep"] > 1:
             apply_expert_parallel(part, plan, parallel.ep_mesh(), all_to_all_stats)
+        if context is not None:
+            apply_context_parallel(part, plan, context)
         apply_activation_checkpointing(part, plan, cfg.train.activation_checkpointing)
         if cfg.train.compile:
             for block in getattr(part, plan.blocks).values():

@@ -23,7 +23,6 @@ from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.pipeline import build_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KwargsFn = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
 
 class ForwardBackward:
@@ -34,11 +33,10 @@ class ForwardBackward:
         parallel: ParallelContext,
         *,
         loss_fn: LossFn,
-        model_kwargs: KwargsFn,
         autocast: contextlib.AbstractContextManager,
         per_row: bool,
     ):
-        self.model_parts, self.loss_fn, self.model_kwargs = model_parts, loss_fn, model_kwargs
+        self.model_parts, self.loss_fn = model_parts, loss_fn
         self.autocast, self.per_row, self.device = autocast, per_row, parallel.device
         # Under tensor parallel the logits stay vocabulary-sharded into the loss.
         self.loss_context = loss_parallel if parallel.degrees["tp"] > 1 else contextlib.nullcontext
@@ -50,23 +48,34 @@ class ForwardBackward:
         self._scale = torch.ones(())
 
     def __call__(
-        self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: torch.Tensor | None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        kwargs: dict[str, torch.Tensor],
+        *,
+        scale: torch.Tensor | None,
     ) -> torch.Tensor:
         """Token-loss sum of the batch (per sequence when split by dataset), after the backward
-        of sum · scale; `scale` None: forward only (eval)."""
+        of sum · scale; `scale` None: forward only (eval). `kwargs`: the model's per-sequence
+        arguments (document ids, positions), shaped (batch, seq) like the inputs."""
         if self.schedule is not None:
-            return self._pipelined(inputs, labels, scale=scale)
+            return self._pipelined(inputs, labels, kwargs, scale=scale)
         with self.loss_context():
             # The loss too: the chunked loss runs the output head (cross entropy is fp32 anyway).
             with self.autocast:
-                output = self.model_parts[0](inputs, **self.model_kwargs(inputs))
+                output = self.model_parts[0](inputs, **kwargs)
                 losses = self.loss_fn(output, labels)
             if scale is not None:
                 (losses.sum() * scale).backward()
         return _full(losses.detach())
 
     def _pipelined(
-        self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: torch.Tensor | None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        kwargs: dict[str, torch.Tensor],
+        *,
+        scale: torch.Tensor | None,
     ) -> torch.Tensor:
         """One batch through the schedule, which splits it into micro-batches."""
         self._sums.clear()
@@ -75,13 +84,13 @@ class ForwardBackward:
         run = self.schedule.step if scale is not None else self.schedule.eval
         with self.loss_context(), self.autocast:
             # Keyword arguments reach every stage (split into micro-batches like the inputs), so
-            # each stage builds the document mask from the tokens every rank has read.
+            # each stage builds the attention mask from what every rank has read.
             run(
                 *((inputs,) if self.first_stage else ()),
                 target=labels,
                 losses=losses,
                 return_outputs=False,
-                **self.model_kwargs(inputs),
+                **kwargs,
             )
         if not losses:
             return torch.zeros(labels.shape[:1] if self.per_row else (), device=self.device)

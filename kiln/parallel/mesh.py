@@ -40,6 +40,12 @@ class ParallelContext:
         return self.degrees["dp_replicate"] * self.degrees["dp_shard"] * self.degrees["ep"]
 
     @property
+    def token_ranks(self) -> int:
+        """Ranks whose gradients are summed: the data ranks and the cp ranks (other parts of
+        the same sequences; tp ranks' are reduced by tensor parallel itself)."""
+        return self.data_ranks * self.degrees["cp"]
+
+    @property
     def data_rank(self) -> int:
         if self.mesh is None:
             return 0
@@ -51,15 +57,15 @@ class ParallelContext:
         ) * self.degrees["ep"] + coords["ep"]
 
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """The FSDP mesh of the dense parameters: over the data ranks that shard (dp_shard, and
-        ep, whose ranks read other batches), 1-D for FSDP, 2-D (dp_replicate, shard) for HSDP;
-        None if unsharded."""
-        if self.mesh is None or self.data_ranks == 1:
+        """The FSDP mesh of the dense parameters: over the ranks that hold different tokens and
+        shard (dp_shard; ep, whose ranks read other batches; cp, whose ranks hold other parts of
+        the sequences), 1-D for FSDP, 2-D (dp_replicate, shard) for HSDP; None if unsharded."""
+        if self.mesh is None or self.token_ranks == 1:
             return None
-        return self._with_replicate(self._flat(("dp_shard", "ep")))
+        return self._with_replicate(self._flat(("dp_shard", "ep", "cp")))
 
     def data_group(self) -> dist.ProcessGroup | None:
-        """Group over which per-rank token counts and losses are summed."""
+        """Group over which per-rank token counts and losses are summed (the cp ranks' too)."""
         fsdp_mesh = self.fsdp_mesh()
         if fsdp_mesh is None:
             return None
@@ -70,19 +76,19 @@ class ParallelContext:
     def sequence_fsdp_mesh(self) -> DeviceMesh | None:
         """The FSDP mesh of units that tensor parallel leaves whole (the plan's
         `block_sequence_units`): each tp rank runs them on its own part of the sequence, so they
-        are sharded over the data and tp ranks together: 1-D (dp_shard × ep × tp), or 2-D
-        (dp_replicate, dp_shard × ep × tp) for HSDP. None without tensor parallel."""
+        are sharded over the data, cp and tp ranks together: 1-D (dp_shard × ep × cp × tp), or
+        2-D (dp_replicate, dp_shard × ep × cp × tp) for HSDP. None without tensor parallel."""
         if self.mesh is None or self.degrees["tp"] == 1:
             return None
-        return self._with_replicate(self._flat(("dp_shard", "ep", "tp")))
+        return self._with_replicate(self._flat(("dp_shard", "ep", "cp", "tp")))
 
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
         """The FSDP mesh of expert weights under expert parallel: each ep rank holds its own
-        experts, sharded over the other ranks holding different tokens (dp_shard × tp), 2-D with
-        dp_replicate for HSDP (a mesh of one rank when there are none). None without ep."""
+        experts, sharded over the other ranks holding different tokens (dp_shard × cp × tp), 2-D
+        with dp_replicate for HSDP (a mesh of one rank when there are none). None without ep."""
         if self.mesh is None or self.degrees["ep"] == 1:
             return None
-        return self._with_replicate(self._flat(("dp_shard", "tp")))
+        return self._with_replicate(self._flat(("dp_shard", "cp", "tp")))
 
     def ep_mesh(self) -> DeviceMesh | None:
         if self.mesh is None or self.degrees["ep"] == 1:
@@ -91,17 +97,22 @@ class ParallelContext:
 
     def token_group(self) -> dist.ProcessGroup | None:
         """Group of the ranks that hold different tokens of one micro-batch on this pipeline
-        rank: the data ranks (ep included) and the tp ranks (other parts of the same sequences).
-        Statistics of the whole micro-batch (MoE expert loads) are summed over it."""
+        rank: the data ranks (ep included), the cp and the tp ranks (other parts of the same
+        sequences). Statistics of the whole micro-batch (MoE expert loads) are summed over it."""
         if self.mesh is None or self.degrees["tp"] == 1:
             return self.data_group()
-        return self._flat(("dp_replicate", "dp_shard", "ep", "tp")).get_group()
+        return self._flat(("dp_replicate", "dp_shard", "ep", "cp", "tp")).get_group()
 
-    def tp_group(self) -> dist.ProcessGroup | None:
-        """Group of the ranks holding the other parts of this rank's sequences."""
-        if self.mesh is None or self.degrees["tp"] == 1:
+    def sequence_group(self) -> dist.ProcessGroup | None:
+        """Group of the ranks holding the other parts of this rank's sequences (cp and tp)."""
+        if self.mesh is None or self.degrees["cp"] * self.degrees["tp"] == 1:
             return None
-        return self.mesh["tp"].get_group()
+        return self._flat(("cp", "tp")).get_group()
+
+    def cp_mesh(self) -> DeviceMesh | None:
+        if self.mesh is None or self.degrees["cp"] == 1:
+            return None
+        return self.mesh["cp"]
 
     def _flat(self, dims: tuple[str, ...]) -> DeviceMesh:
         """`dims` of the mesh flattened into one, named after them (the dim itself if one)."""

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from kiln.config.sections import DataConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import BatchLoader, ShuffledSamples, Source
-from kiln.train.loss import count_valid
 
 
 def eval_loader(
@@ -43,20 +42,23 @@ def evaluate(
     loader: BatchLoader,
     *,
     steps: int,
-    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     data_group: dist.ProcessGroup | None,
     pipeline_group: dist.ProcessGroup | None,
 ) -> dict[str, float]:
     """`eval/loss` (mean per token over all ranks) and `eval/perplexity` over `steps` batches.
-    `forward(inputs, labels)` returns the token-loss sums (zero on pipeline stages without it)."""
+    `forward(inputs, labels)` returns the token-loss sums (zero on pipeline stages without it)
+    and the valid tokens of the part of the batch this rank computed (under context parallel,
+    its chunks of the sequences)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(steps):
         for inputs, labels in loader.next_step().micro_batches:
             inputs, labels = inputs.to(device), labels.to(device)
-            loss_sum += forward(inputs, labels).sum()
-            tokens += count_valid(labels)
+            losses, valid = forward(inputs, labels)
+            loss_sum += losses.sum()
+            tokens += valid
     for value, group in ((loss_sum, pipeline_group), (loss_sum, data_group), (tokens, data_group)):
         if group is not None:
             dist.all_reduce(value, group=group)

@@ -31,6 +31,7 @@ from kiln.model.moe import (
 )
 from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
+from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.expert_parallel import expert_parallel_stats
 from kiln.parallel.forward_backward import ForwardBackward
 from kiln.parallel.fsdp import gradient_average_compensation
@@ -94,7 +95,6 @@ class TrainStep:
             cfg,
             parallel,
             loss_fn=self._loss,
-            model_kwargs=self._model_kwargs,
             autocast=training_autocast(cfg, parallel),
             per_row=self.dataset_losses is not None,
         )
@@ -109,11 +109,14 @@ class TrainStep:
         # From the config, not this rank's modules: a pipeline rank whose stages hold no MoE
         # layer still joins the collectives of the MoE records.
         self.moe = cfg.model.num_experts > 0
-        # The ranks holding the other tokens of a micro-batch (data and tp ranks), and those
-        # holding the other parts of this rank's sequences (tp ranks). Created here, on every
-        # rank at once, as creating a group requires.
+        # The ranks holding the other tokens of a micro-batch (data, cp and tp ranks), and those
+        # holding the other parts of this rank's sequences (cp and tp ranks). Created here, on
+        # every rank at once, as creating a group requires.
         self.token_group = parallel.token_group() if self.moe else None
-        self.tp_group = parallel.tp_group() if self.moe else None
+        self.sequence_group = parallel.sequence_group() if self.moe else None
+        # Context parallel: this rank keeps its chunks of every sequence it reads.
+        cp_mesh = parallel.cp_mesh()
+        self.context = ContextParallel(cp_mesh) if cp_mesh is not None else None
         self.moe_step: MoEStep | None = None
         self.idle_experts = IdleExperts(
             moe_layer_names(model_parts), patience=cfg.metrics.idle_expert_warn_steps
@@ -131,17 +134,19 @@ class TrainStep:
         self.nan_injection.start_step(step)
         if self.expert_parallel is not None:
             self.expert_parallel.start()
-        micro_batches = [(x.to(self.device), y.to(self.device)) for x, y in batch.micro_batches]
+        read = [(x.to(self.device), y.to(self.device)) for x, y in batch.micro_batches]
+        micro_batches = [self._prepare(inputs, labels) for inputs, labels in read]
+        # This rank's valid tokens, summed over the ranks holding the others (data and cp);
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
-        valid = sum(count_valid(labels) for _, labels in micro_batches)
+        valid = sum(count_valid(labels) for _, labels, _ in micro_batches)
         valid = sum_over(valid, self.parallel.data_group()).clamp(min=1)
         total = torch.zeros((), device=self.device)
         if self.moe:
-            self._set_moe_normalization(micro_batches)
-        for index, (inputs, labels) in enumerate(micro_batches):
+            self._set_moe_normalization(read)
+        for index, (inputs, labels, kwargs) in enumerate(micro_batches):
             if self.defer_grad_reduce:
                 self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
-            losses = self.forward_backward(inputs, labels, scale=self.grad_scale / valid)
+            losses = self.forward_backward(inputs, labels, kwargs, scale=self.grad_scale / valid)
             total += losses.sum()
             if self.dataset_losses is not None:
                 self.dataset_losses.add(losses, labels, batch.dataset_ids[index])
@@ -167,7 +172,7 @@ class TrainStep:
             self._end_moe_step(skipped=agreed["non_finite"])
         if self.expert_parallel is not None:
             self.expert_parallel.end()
-        tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.parallel.data_ranks
+        tokens = sum(inputs.numel() for inputs, _ in read) * self.parallel.data_ranks
         return StepResult(
             loss,
             grad_norm,
@@ -190,7 +195,8 @@ class TrainStep:
         over the data ranks and the tp ranks, which hold its other tokens. It then equals one
         process's on the same micro-batches (same batch_size × data ranks and grad_accum_steps;
         under pipeline parallel one process whose micro-batches are the pipeline's). The
-        sequence-wise loss counts whole sequences: summed over the tp ranks."""
+        sequence-wise loss counts whole sequences: summed over the cp and tp ranks.
+        `micro_batches`: as read, whole sequences."""
         ranks = self.parallel.data_ranks
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * ranks
         sequences = sum(inputs.shape[0] for inputs, _ in micro_batches) * ranks
@@ -198,7 +204,7 @@ class TrainStep:
             per_token=self.grad_scale / tokens,
             per_sequence=self.grad_scale / sequences,
             reduce_counts=_sum_over(self.token_group),
-            reduce_sequence_counts=_sum_over(self.tp_group),
+            reduce_sequence_counts=_sum_over(self.sequence_group),
         )
         for part in self.model_parts:
             set_aux_loss_scale(part, scale)
@@ -258,7 +264,7 @@ class TrainStep:
         return evaluate(
             loader,
             steps=self.cfg.eval.steps,
-            forward=lambda inputs, labels: self.forward_backward(inputs, labels, scale=None),
+            forward=self._eval_forward,
             device=self.device,
             data_group=self.parallel.data_group(),
             pipeline_group=self.pipeline_group,
@@ -291,10 +297,25 @@ class TrainStep:
             )
         return self.nan_injection.apply(losses)
 
-    def _model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not self.cfg.data.document_mask:
-            return {}
-        return {"document_ids": document_ids(inputs, self.eos_id)}
+    def _eval_forward(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-loss sums and valid tokens of this rank's part of an eval batch."""
+        inputs, labels, kwargs = self._prepare(inputs, labels)
+        losses = self.forward_backward(inputs, labels, kwargs, scale=None)
+        return losses, count_valid(labels)
+
+    def _prepare(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Inputs, labels and model arguments of this rank's part of a micro-batch: under
+        context parallel its chunks of each sequence (document ids taken on whole sequences)."""
+        kwargs = {}
+        if self.cfg.data.document_mask:
+            kwargs["document_ids"] = document_ids(inputs, self.eos_id)
+        if self.context is None:
+            return inputs, labels, kwargs
+        return self.context.shard_batch(inputs, labels, kwargs)
 
 
 def _sum_over(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:

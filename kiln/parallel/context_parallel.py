@@ -1,0 +1,94 @@
+"""Context parallel (DESIGN §4): each sequence split over the `cp` ranks, attention over all of it.
+
+Every cp rank reads the same micro-batches (cp ranks are not data ranks) and keeps its part of
+each sequence: the sequence is cut into 2·cp chunks and rank i keeps chunks i and 2·cp−1−i. Under
+a causal mask a query's work grows with its position, so pairing an early chunk with a late one
+gives every rank the same work (head–tail balancing, as Llama 3's training did).
+
+Everything per token (embedding, feed-forward, norms, loss) then runs on the local tokens only.
+Attention needs every key: each layer all-gathers its post-RoPE keys and values over cp (one
+collective for both; autograd turns it into a reduce-scatter in backward) and attends with its
+local queries under a mask built from global positions and document ids. The model applies RoPE
+at the global positions `shard_batch` adds to its inputs, and gathers those positions and the
+document ids once per forward to build the mask for every layer.
+
+cp ranks hold different tokens, so their gradients are summed like data ranks' (FSDP shards over
+dp_shard × ep × cp, see mesh.py) and their valid tokens join the loss's global count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+from kiln.model.parallel_plan import ParallelPlan
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions cp rank `rank` holds of a sequence of `seq_len`: chunks `rank` and
+    2·cp−1−`rank` of 2·cp equal chunks, in that order."""
+    assert seq_len % (2 * cp) == 0, "validation guarantees seq_len divisible by 2·cp"
+    chunk = seq_len // (2 * cp)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk)
+    tail = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([head, tail])
+
+
+class ContextParallel:
+    """This rank's place in its cp group: what it keeps of a batch, and the gathers the model's
+    attention calls."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        self.group = cp_mesh.get_group()
+        self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def shard_batch(
+        self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's tokens of (batch, seq) inputs, labels and per-token model arguments
+        (document ids computed on the whole sequences), plus their global `positions`.
+
+        Positions are per sequence (batch, seq / cp), like every model argument, so that a
+        pipeline schedule splits them into micro-batches along with the inputs."""
+        batch, seq = inputs.shape
+        positions = load_balanced_positions(seq, self.size, self.rank).to(inputs.device)
+        local = {name: value[:, positions] for name, value in kwargs.items()}
+        local["positions"] = positions.expand(batch, -1)
+        return inputs[:, positions], labels[:, positions], local
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (batch, heads, local seq, head_dim) of the whole sequences: every cp
+        rank's, in rank order, in one all-gather; the backward sums each rank's gradient back to
+        its owner (reduce-scatter)."""
+        both = torch.stack([k, v]).movedim(3, 0).contiguous()
+        gathered = all_gather_single_autograd(both, 0, self.group)
+        return tuple(gathered.movedim(0, 3).unbind(0))
+
+    @torch.no_grad()
+    def gather_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token integers (batch, local seq) of the whole sequences, in the order of
+        `gather_kv`'s keys: for the attention mask (positions, document ids)."""
+        parts = [torch.empty_like(values) for _ in range(self.size)]
+        dist.all_gather(parts, values.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+
+def apply_context_parallel(model: nn.Module, plan: ParallelPlan, context: ContextParallel) -> None:
+    """Hand `context` to the model (it builds the mask from the gathered positions) and to every
+    attention layer the plan names (they gather keys and values)."""
+    layers = [
+        block.get_submodule(path)
+        for block in getattr(model, plan.blocks).values()
+        for path in plan.block_attention(block)
+    ]
+    if getattr(model, plan.blocks) and not layers:
+        raise ValueError(
+            f"{type(model).__name__} names no attention layer for context parallel in its plan; "
+            "set distributed.cp = 1"
+        )
+    model.context_parallel = context
+    for layer in layers:
+        layer.context_parallel = context
