@@ -46,13 +46,16 @@ def proxy_config(
     proxy.distributed.pp_layers_per_stage = []
     m.dim = 16 * m.n_heads
     m.ffn_hidden_dim = 4 * m.dim
-    m.vocab_size, m.max_seq_len = 4096, 64
+    # 64 tokens, or as few as context parallel can split into 2·cp chunks and those over tp.
+    d = cfg.distributed
+    seq_len = max(64, math.lcm(2 * d.cp, d.cp * d.tp))
+    m.vocab_size, m.max_seq_len = 4096, seq_len
     if m.num_experts > 0:
         _shrink_experts(m, pipelined=cfg.distributed.pp > 1)
     t = proxy.train
     # One sequence per data rank, or per pipeline micro-batch.
     pipelined = cfg.distributed.pp > 1
-    t.seq_len, t.max_steps = 64, steps
+    t.seq_len, t.max_steps = seq_len, steps
     t.batch_size = (cfg.distributed.pp_microbatches or cfg.distributed.pp) if pipelined else 1
     t.grad_accum_steps = min(t.grad_accum_steps, 4)
     # Parity is proven in fp32 on the CPU (gloo), whatever device the recipe trains on.

@@ -156,15 +156,11 @@ def test_llama3_rope_scaling_values_are_checked():
     config_from_dict({"model": {"rope_scaling_factor": 0.5}}, world_size=1)
 
 
-def test_context_parallel_is_rejected_until_built(capsys):
-    # Expert parallel is validated in test_expert_parallel_config.py.
-    cfg = JobConfig()
-    cfg.distributed.cp = 2
-    with pytest.raises(ConfigError, match=r"distributed.cp > 1 .*set distributed.cp = 1"):
-        validate(cfg, 2)
-    # `kiln check` says so, before any process starts.
-    assert main(["check", str(DEBUG_CONFIG), "--world-size", "2", "--distributed.cp=2"]) == 2
-    assert "distributed.cp > 1" in capsys.readouterr().err
+def test_kiln_check_refuses_a_seq_len_that_cp_cannot_split(capsys):
+    # The rest of context parallel's validation is in test_context_parallel.py.
+    args = ["check", str(DEBUG_CONFIG), "--world-size", "4", "--distributed.cp=4"]
+    assert main([*args, "--train.seq_len=100"]) == 2
+    assert "must be divisible by 2 × distributed.cp = 8" in capsys.readouterr().err
 
 
 def test_config_imports_nothing_of_kiln_but_errors():
