@@ -287,11 +287,26 @@ def cmd_check(args) -> int:
             print(f"# {note}")
     if layout["pp"] > 1:
         print(f"# pipeline: {pipeline_summary(cfg)}")
+    if layout["cp"] > 1:
+        print(f"# context parallel: {_context_parallel_summary(cfg, layout)}")
     if not args.config_only:
         for note in preflight(cfg, args.world_size):
             print(f"# {note}")
     print("# config OK")
     return 0
+
+
+def _context_parallel_summary(cfg, layout: dict[str, int]) -> str:
+    from kiln.metrics.memory import gathered_kv_bytes
+
+    cp, seq_len = layout["cp"], cfg.train.seq_len
+    gathered = gathered_kv_bytes(cfg, layout)
+    return (
+        f"each rank holds {seq_len // cp:,} of every {seq_len:,} tokens (chunks {seq_len // (2 * cp):,} "
+        f"long, head-tail); per layer and micro-batch it all-gathers {gathered * (cp - 1) / cp / 2**20:,.1f} MiB "
+        f"of keys and values (reduce-scattered back in backward) and keeps the whole sequence's "
+        f"{gathered / 2**20:,.1f} MiB for the backward"
+    )
 
 
 # What the memory estimate's model state holds besides weights and gradients, per optimizer

@@ -24,6 +24,9 @@ also holds one layer's full activations while recomputing. Plus fp32 logits and 
 (of one chunk of `train.loss_chunk_tokens` tokens with the chunked loss).
 An MoE block keeps the dense estimate's attention and norms and replaces its feed-forward share
 by what kiln's MoE feed-forward saves for backward (`moe_ffn_bytes_per_token`).
+Context parallel divides the tokens by cp, but each layer's attention keeps the keys and values
+of the whole sequence it gathered (`gathered_kv_bytes`) for its backward: that part does not
+shrink with cp.
 Under pipeline parallel: the layers of one rank, for as many micro-batches as its schedule keeps
 in flight (docs/pipeline.md).
 It is an estimate for choosing a layout, not a promise: allocator slack is not included.
@@ -177,6 +180,19 @@ def model_state_bytes(m: ModelConfig, degrees: dict[str, int], optimizer: str = 
     return dense + matrix * experts * stored / m.num_experts / degrees["pp"]
 
 
+def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Bytes of the keys and values one attention layer gathers under context parallel, for one
+    micro-batch (bf16): the whole sequences' (batch, kv heads / tp, seq_len, head_dim) twice.
+    This rank's own part is among the layer's activations already; the rest, (cp − 1) / cp of
+    it, is what the all-gather brings in (and the reduce-scatter sends back in backward)."""
+    if degrees["cp"] == 1:
+        return 0.0
+    m, t = cfg.model, cfg.train
+    n_micro = microbatches(cfg.distributed, t.batch_size) if degrees["pp"] > 1 else 1
+    sequences = t.batch_size / n_micro
+    return 2 * 2 * sequences * t.seq_len * m.n_kv_heads / degrees["tp"] * m.head_dim
+
+
 def estimate_memory(cfg: JobConfig, degrees: dict[str, int]) -> MemoryEstimate:
     m, t = cfg.model, cfg.train
     model_state = model_state_bytes(m, degrees, cfg.optimizer.name)
@@ -187,8 +203,10 @@ def estimate_memory(cfg: JobConfig, degrees: dict[str, int]) -> MemoryEstimate:
     # Sequence parallel: each tp rank keeps its own seq_len / tp tokens (MoE blocks included:
     # a tp rank routes only its sequence shard).
     per_rank = tokens / degrees["tp"]
-    dense_layer = layer_bytes_per_token(m, moe=False) * per_rank
-    moe_layer = layer_bytes_per_token(m, moe=True) * per_rank
+    # The other cp ranks' keys and values, kept for the backward.
+    gathered = gathered_kv_bytes(cfg, degrees) * (degrees["cp"] - 1) / degrees["cp"]
+    dense_layer = layer_bytes_per_token(m, moe=False) * per_rank + gathered
+    moe_layer = layer_bytes_per_token(m, moe=True) * per_rank + gathered
     checkpointed_layer = CHECKPOINTED_LAYER_BYTES * m.dim * per_rank
     layers = math.ceil(m.n_layers / degrees["pp"])
     checkpointed = {"none": 0, "full": layers, "selective": (layers + 1) // 2}[

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from kiln.cli import main
 from kiln.config import JobConfig, ModelConfig
 from kiln.config.sections import DistributedConfig, TrainConfig
 from kiln.config.validate import collect_problems
@@ -124,3 +125,12 @@ def test_each_cp_ranks_tokens_must_split_over_tp():
     problems = collect_problems(layout(cp=2, tp=4, seq_len=36), world_size=8)
     assert any("18 tokens" in p and "divisible by 8" in p for p in problems), problems
     assert not collect_problems(layout(cp=2, tp=2, seq_len=64), world_size=4)
+
+
+def test_kiln_check_describes_the_split(capsys):
+    args = ["check", "llama3_8b_128k_32gpu", "--world-size", "32", "--config-only"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "dp_shard=4 × cp=8" in out
+    assert "each rank holds 16,384 of every 131,072 tokens (chunks 8,192 long" in out
+    assert "all-gathers 448.0 MiB of keys and values" in out

@@ -14,6 +14,7 @@ from kiln.metrics.memory import (
     estimate_memory,
     expert_shards,
     expert_weight_dims,
+    gathered_kv_bytes,
     layer_bytes_per_token,
     model_state_bytes,
     moe_ffn_bytes_per_token,
@@ -51,6 +52,20 @@ def test_activation_checkpointing_trades_memory_in_order():
     logits = 8 * tokens * 1000
     assert none == 8 * 34 * tokens * dim + logits
     assert full == 8 * 2 * tokens * dim + 34 * tokens * dim + logits
+
+
+def test_context_parallel_divides_the_tokens_but_keeps_the_whole_keys_and_values():
+    """cp=4: each rank's layers hold a quarter of the tokens, plus the three quarters of every
+    layer's keys and values (2 × 1024 tokens × 8 heads × 64, bf16, twice) it gathered."""
+    cp4 = {**ONE, "cp": 4}
+    none, full = (estimate_memory(job(ac), cp4).activations for ac in ("none", "full"))
+    tokens, dim, logits = 2048 / 4, 512, 8 * 2048 / 4 * 1000
+    gathered = 2 * 2 * 2 * 1024 * 8 * 64
+    assert gathered_kv_bytes(job("none"), cp4) == gathered
+    assert none == 8 * (34 * tokens * dim + gathered * 3 / 4) + logits
+    # Checkpointed layers keep only their input; the one being recomputed holds its gather.
+    assert full == 8 * 2 * tokens * dim + 34 * tokens * dim + gathered * 3 / 4 + logits
+    assert gathered_kv_bytes(job("none"), ONE) == 0
 
 
 def test_model_state_is_sharded_over_every_parameter_splitting_dim():
