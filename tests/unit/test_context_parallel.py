@@ -131,6 +131,7 @@ def test_kiln_check_describes_the_split(capsys):
     args = ["check", "llama3_8b_128k_32gpu", "--world-size", "32", "--config-only"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "dp_shard=4 × cp=8" in out
-    assert "each rank holds 16,384 of every 131,072 tokens (chunks 8,192 long" in out
-    assert "all-gathers 448.0 MiB of keys and values" in out
+    assert "dp_shard=8 × cp=4" in out
+    assert "each rank holds 32,768 of every 131,072 tokens (chunks 16,384 long" in out
+    # 2 (k, v) × 131072 tokens × 8 KV heads × 128 × 2 bytes = 512 MiB, 3/4 of it gathered.
+    assert "all-gathers 384.0 MiB of keys and values" in out

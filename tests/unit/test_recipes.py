@@ -27,7 +27,7 @@ RECIPES = {
     "moe_24gpu": (24, {"dp_shard": 6, "tp": 4}),
     "moe_ep_32gpu": (32, {"dp_shard": 4, "tp": 4, "ep": 2}),
     # Long context (docs/long_context.md)
-    "llama3_8b_128k_32gpu": (32, {"dp_shard": 4, "cp": 8}),
+    "llama3_8b_128k_32gpu": (32, {"dp_shard": 8, "cp": 4}),
 }
 # One process: smoke runs and the demo.
 SMALL_RECIPES = {"debug", "demo", "debug_moe"}
