@@ -29,20 +29,31 @@ LAYOUTS = {
 MASKS = {"causal": (), "document mask": ("--data.document_mask=true",)}
 
 
+def masked(mask, demo_data):
+    """The overrides of `mask`; the masked runs also evaluate at steps 5 and 10 (eval batches
+    are split over the cp ranks like training ones)."""
+    if mask == "causal":
+        return ()
+    return (*MASKS[mask], "--eval.interval=5", "--eval.steps=1", f"--eval.path={demo_data}")
+
+
 @pytest.mark.parametrize("mask", MASKS, ids=list(MASKS))
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_context_parallel_layout_matches_one_process(layout, mask, runs, references):
+def test_context_parallel_layout_matches_one_process(layout, mask, runs, references, demo_data):
     nproc, overrides = LAYOUTS[layout]
-    got = records(runs(nproc, *overrides, *MASKS[mask]))
-    assert_parity(got, references(*MASKS[mask]))
+    got = records(runs(nproc, *overrides, *masked(mask, demo_data)))
+    expected = references(*masked(mask, demo_data))
+    assert_parity(got, expected)
+    for step in (5, 10) if mask != "causal" else ():
+        assert got[step]["eval/loss"] == pytest.approx(expected[step]["eval/loss"], rel=1e-5)
 
 
-def test_the_document_mask_changes_the_run(references):
+def test_the_document_mask_changes_the_run(references, demo_data):
     """The masked comparisons have teeth: by step 5 masking moves the gradient norms of the
     first attention layer by ~1% of themselves, a hundred times the tolerance."""
-    plain, masked = references(), references(*MASKS["document mask"])
+    plain, with_mask = references(), references(*masked("document mask", demo_data))
     name = "layers.0.attention.wk.weight"
-    a, b = plain[5]["param_grad_norms"][name], masked[5]["param_grad_norms"][name]
+    a, b = plain[5]["param_grad_norms"][name], with_mask[5]["param_grad_norms"][name]
     assert abs(a - b) > 100 * 1e-5 * abs(b)
 
 
