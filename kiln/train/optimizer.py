@@ -1,9 +1,10 @@
 """Optimizer construction: which parameters each optimizer updates, with which settings.
 
-AdamW: weight decay on matrices only, fused kernels where they exist. Muon: the hidden matrices
-(attention, feed-forward, routed experts, router) are orthogonalized by Muon; the embeddings,
-the output head, the norms and any vector go to AdamW with `[optimizer.adamw]`'s settings (each
-unset key taking `[optimizer]`'s), since orthogonalizing a lookup table or a gain is meaningless.
+AdamW: weight decay on matrices only, fused kernels where they exist, each rank updating its
+local shards (kiln/train/adamw.py). Muon: the hidden matrices (attention, feed-forward, routed
+experts, router) are orthogonalized by Muon; the embeddings, the output head, the norms and any
+vector go to AdamW with `[optimizer.adamw]`'s settings (each unset key taking `[optimizer]`'s),
+since orthogonalizing a lookup table or a gain is meaningless.
 Lion and Schedule-Free AdamW: every weight, decayed as under AdamW (see docs/optimizers.md).
 
 Each param group keeps its own starting lr as `base_lr`: the schedule scales every group's,
@@ -17,6 +18,7 @@ from torch import nn
 
 from kiln.config.sections import OptimizerConfig
 from kiln.errors import ConfigError
+from kiln.train.adamw import ShardLocalAdamW
 from kiln.train.lion import Lion
 from kiln.train.muon import Muon
 from kiln.train.schedule_free import ScheduleFreeAdamW
@@ -64,9 +66,7 @@ def _adamw(groups: list[dict], cfg: OptimizerConfig, **overrides) -> torch.optim
     params = [p for group in groups for p in group["params"]]
     on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
     settings = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps) | overrides
-    return torch.optim.AdamW(
-        groups, **settings, fused=True if on_cuda else None, foreach=None if on_cuda else True
-    )
+    return ShardLocalAdamW(groups, **settings, fused=on_cuda)
 
 
 def _muon(model: nn.Module, cfg: OptimizerConfig, ns_dtype: torch.dtype) -> list:
