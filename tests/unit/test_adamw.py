@@ -31,12 +31,13 @@ def _groups(params):
     ]
 
 
-def _torch_adamw(params):
-    return torch.optim.AdamW(_groups(params), lr=LR, betas=BETAS, eps=EPS, foreach=True)
+def _torch_adamw(params, fused=False):
+    flags = dict(fused=True) if fused else dict(foreach=True)  # what kiln built before
+    return torch.optim.AdamW(_groups(params), lr=LR, betas=BETAS, eps=EPS, **flags)
 
 
-def _local_adamw(params):
-    return ShardLocalAdamW(_groups(params), lr=LR, betas=BETAS, eps=EPS)
+def _local_adamw(params, fused=False):
+    return ShardLocalAdamW(_groups(params), lr=LR, betas=BETAS, eps=EPS, fused=fused)
 
 
 def _run(optimizer, params, steps, start=0):
@@ -65,9 +66,11 @@ def _assert_same(a_params, a_opt, b_params, b_opt):
             assert torch.equal(a_state[key], b_state[key]), key
 
 
-def test_matches_torch_adamw_step_for_step_exactly():
+# Fused: the CUDA path's code, run by torch's fused CPU kernel.
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_matches_torch_adamw_step_for_step_exactly(fused):
     ours, theirs = _params(), _params()
-    local_opt, torch_opt = _local_adamw(ours), _torch_adamw(theirs)
+    local_opt, torch_opt = _local_adamw(ours, fused), _torch_adamw(theirs, fused)
     _run(local_opt, ours, 1)
     assert ours[-1] not in local_opt.state  # no gradient yet: skipped, as torch does
     _run(local_opt, ours, 4, start=1)
