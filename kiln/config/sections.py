@@ -95,6 +95,24 @@ class TrainConfig:
 
 
 @dataclass
+class Float8Config:
+    """`[fp8]`: with train.mixed_precision = "fp8", the linear layers compute in float8 through
+    torchao (docs/fp8.md); everything else in `high_precision`, over fp32 master weights."""
+
+    # "tensorwise": one scale per tensor (fastest; float8 all-gathers under FSDP and TP);
+    # "rowwise": one scale per row (more accurate, for outliers).
+    recipe: str = "tensorwise"
+    # tensorwise under FSDP: gather the weights already cast to float8 (half of bf16's bytes).
+    fsdp_float8_all_gather: bool = False
+    # What the rest computes in: "bf16", or "fp32" to see float8's own error alone (numerics
+    # checks; the parity tests compare layouts this way).
+    high_precision: str = "bf16"
+    # Linear layers kept in bf16 besides the output head and the MoE routers, by name: "wo"
+    # keeps every attention output projection, "layers.0" the whole first block.
+    keep_high_precision: list[str] = field(default_factory=list)
+
+
+@dataclass
 class AdamWGroupConfig:
     """`[optimizer.adamw]`: under Muon, the AdamW settings of what it does not orthogonalize
     (embeddings, output head, norms, biases). A key left unset takes [optimizer]'s value."""
@@ -250,6 +268,7 @@ class MetricsConfig:
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fp8: Float8Config = field(default_factory=Float8Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)

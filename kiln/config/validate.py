@@ -12,12 +12,13 @@ from kiln.config.pipeline import (
     num_stages,
 )
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
+from kiln.config.validate_float8 import float8_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
 from kiln.config.validate_optimizer import OPTIMIZERS, optimizer_problems
 from kiln.errors import ConfigError
 
 CHOICES = {
-    "train.mixed_precision": ("bf16", "fp32"),
+    "train.mixed_precision": ("bf16", "fp32", "fp8"),
     "train.activation_checkpointing": ("none", "full", "selective"),
     "train.loss": ("cross_entropy", "chunked_cross_entropy"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -43,7 +44,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 
 def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
-    problems += optimizer_problems(cfg)
+    problems += optimizer_problems(cfg) + float8_problems(cfg)
     problems += _data_problems(cfg) + _eval_problems(cfg)
     return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 

@@ -1,8 +1,8 @@
 """The one place that knows the order in which parallelisms and wrappers are applied (DESIGN §4).
 
 PP split → TP → EP → CP → FP8 → AC → compile (per block) → FSDP2, the later steps on each
-pipeline stage. This version applies PP, TP, EP, CP, AC, compile and FSDP/HSDP; FP8 slots in at
-its place in this order. What each step applies to (blocks, module styles, FSDP units, stage
+pipeline stage, with one exception: FP8's conversion swaps linear modules for torchao's
+Float8Linear, which must happen before TP wraps them, so it runs right after the split (float8.py). What each step applies to (blocks, module styles, FSDP units, stage
 boundaries) comes from the model family's plan, `model.parallel_plan()`.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from kiln.config.sections import JobConfig
@@ -18,6 +19,7 @@ from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
 from kiln.parallel.all_to_all_stats import AllToAllStats
 from kiln.parallel.context_parallel import ContextParallel, apply_context_parallel
 from kiln.parallel.expert_parallel import apply_expert_parallel
+from kiln.parallel.float8 import convert_to_float8
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.mixed_precision import fsdp_policy
@@ -60,6 +62,8 @@ def apply_parallelism(
     # The order mistake the seeds warn about; the parity tests must catch it.
     wrong_order = mutation_on("KILN_TEST_FSDP_BEFORE_TP") and fsdp_mesh is not None
     for part in parts:
+        if cfg.train.mixed_precision == "fp8":
+            convert_to_float8(part, cfg, device=_device(parallel), tp=degrees["tp"])
         if wrong_order:
             shard(part)
         if degrees["tp"] > 1:
@@ -75,6 +79,10 @@ def apply_parallelism(
         if sharded and not wrong_order:
             shard(part)
     return parts
+
+
+def _device(parallel: ParallelContext | None) -> torch.device:
+    return parallel.device if parallel is not None else torch.device("cpu")
 
 
 def _sequence_mesh(parallel: ParallelContext | None) -> DeviceMesh | None:

@@ -19,6 +19,9 @@ from kiln.parallel.mesh import ParallelContext
 
 
 def _bf16(cfg: JobConfig) -> bool:
+    # FP8 runs its linear layers in float8 (float8.py) and the rest in fp8.high_precision.
+    if cfg.train.mixed_precision == "fp8":
+        return cfg.fp8.high_precision == "bf16"
     return cfg.train.mixed_precision == "bf16"
 
 

@@ -33,6 +33,7 @@ from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
 from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.expert_parallel import expert_parallel_stats
+from kiln.parallel.float8 import precompute_float8_scales
 from kiln.parallel.forward_backward import ForwardBackward
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import ParallelContext
@@ -250,6 +251,8 @@ class TrainStep:
                     group["lr"] = group.setdefault("base_lr", self.cfg.optimizer.lr) * factor
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if not skip:
+            precompute_float8_scales(self.model_parts, self.cfg)
         return lr
 
     def evaluate(self, eval_data: TokenDataset) -> dict[str, float]:

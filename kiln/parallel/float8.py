@@ -1,0 +1,115 @@
+"""FP8 training (train.mixed_precision = "fp8"): linear layers compute in float8 through torchao.
+
+torchao's `Float8Linear` casts a linear layer's input, weight and output gradient to float8 with
+dynamic scales ("tensorwise": one per tensor; "rowwise": one per row) and runs the three matmuls
+of forward and backward on them. The weights stay fp32 masters (FSDP gathers them in bf16, or in
+float8 with `fp8.fsdp_float8_all_gather`) and so does the optimizer state; everything that is not
+a float8 linear layer computes in bf16, as under mixed_precision = "bf16".
+
+Kept in bf16: the output head (its logits feed the loss, where float8's 3 bits of mantissa cost
+the most), MoE routers (the top-k choice is sensitive to small differences), the routed experts
+(grouped GEMMs, which torchao's float8 training does not cover here), layers whose dimensions on
+a rank are not multiples of 16 (float8 matmuls need them), and any layer `fp8.keep_high_precision`
+names.
+
+Conversion swaps modules, so it runs before tensor parallel (DESIGN §4 names FP8 after CP: a
+module swap cannot follow TP, whose styles hold onto the modules they wrap; TP then splits the
+float8 layers like plain linear ones). On a CPU, torchao emulates the float8 matmuls (same casts
+and scales, matmul in high precision): the numerics of a GPU run, for tests, not for speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from kiln.config.sections import JobConfig
+from kiln.errors import ConfigError
+
+# Kept in bf16 whatever the user lists: the output head and every MoE router's gate.
+ALWAYS_HIGH_PRECISION = ("output", "router")
+# float8 matmuls need both dimensions of the weight on each rank divisible by this.
+FLOAT8_ALIGNMENT = 16
+# The least compute capability whose tensor cores multiply float8, per recipe.
+CUDA_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0)}
+
+
+def float8_layer_plan(model: nn.Module, cfg: JobConfig, *, tp: int) -> dict[str, str | None]:
+    """Every linear layer of `model` by name: None if it will compute in float8, else why not."""
+    keep = ALWAYS_HIGH_PRECISION + tuple(cfg.fp8.keep_high_precision)
+    return {
+        name: _kept_because(name, module, keep, tp)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    }
+
+
+def convert_to_float8(model: nn.Module, cfg: JobConfig, *, device: torch.device, tp: int) -> int:
+    """Swap the linear layers `float8_layer_plan` selects for torchao's Float8Linear (on the
+    meta device, before any other parallelism); returns how many."""
+    _check_device(cfg.fp8.recipe, device)
+    plan = float8_layer_plan(model, cfg, tp=tp)
+    chosen = {name for name, reason in plan.items() if reason is None}
+    if plan and not chosen:
+        raise ConfigError(
+            "train.mixed_precision = 'fp8' but no linear layer is left to compute in float8 "
+            f"(fp8.keep_high_precision = {cfg.fp8.keep_high_precision}, and layers need "
+            f"dimensions divisible by {FLOAT8_ALIGNMENT} on each rank); shorten the list or use "
+            "mixed_precision = 'bf16'"
+        )
+    float8 = _torchao_float8(device)
+    config = dataclasses.replace(
+        float8.Float8LinearConfig.from_recipe_name(cfg.fp8.recipe),
+        enable_fsdp_float8_all_gather=cfg.fp8.fsdp_float8_all_gather,
+        emulate=device.type != "cuda",
+    )
+    float8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda module, name: name in chosen
+    )
+    return len(chosen)
+
+
+def precompute_float8_scales(model_parts: list[nn.Module], cfg: JobConfig) -> None:
+    """After each optimizer step under float8 all-gather: every weight's scale in one
+    all-reduce, instead of one per weight in the next forward."""
+    if cfg.train.mixed_precision == "fp8" and cfg.fp8.fsdp_float8_all_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        for part in model_parts:
+            precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def _kept_because(name: str, module: nn.Linear, keep: tuple[str, ...], tp: int) -> str | None:
+    named = next((pattern for pattern in keep if f".{pattern}." in f".{name}."), None)
+    if named is not None:
+        return f"kept in bf16 ({named!r})"
+    dims = (module.in_features, module.out_features)
+    # Under tensor parallel a rank holds 1/tp of one of them; both must still align.
+    if any(d % FLOAT8_ALIGNMENT or (d // tp) % FLOAT8_ALIGNMENT for d in dims):
+        return f"dimensions {dims[0]} × {dims[1]} (/ tp = {tp}) not multiples of {FLOAT8_ALIGNMENT}"
+    return None
+
+
+def _check_device(recipe: str, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    need = CUDA_CAPABILITY[recipe]
+    have = torch.cuda.get_device_capability(device)
+    if have < need:
+        raise ConfigError(
+            f"fp8.recipe = {recipe!r} needs a GPU of compute capability {need[0]}.{need[1]} or "
+            f"newer (H100, or L40/4090 for tensorwise); this one is {have[0]}.{have[1]}: use "
+            "mixed_precision = 'bf16'"
+        )
+
+
+def _torchao_float8(device: torch.device):
+    """torchao.float8; on a CPU without its CUDA kernels, which it warns about at import."""
+    if device.type != "cuda":
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+    import torchao.float8
+
+    return torchao.float8
