@@ -301,11 +301,16 @@ def _context_parallel_summary(cfg, layout: dict[str, int]) -> str:
 
     cp, seq_len = layout["cp"], cfg.train.seq_len
     gathered = gathered_kv_bytes(cfg, layout)
+    kept = (
+        "a checkpointed layer gathers them again when it is recomputed"
+        if cfg.train.activation_checkpointing == "full"
+        else "a layer not checkpointed keeps them for its backward"
+    )
     return (
         f"each rank holds {seq_len // cp:,} of every {seq_len:,} tokens (chunks {seq_len // (2 * cp):,} "
         f"long, head-tail); per layer and micro-batch it all-gathers {gathered * (cp - 1) / cp / 2**20:,.1f} MiB "
-        f"of keys and values (reduce-scattered back in backward) and keeps the whole sequence's "
-        f"{gathered / 2**20:,.1f} MiB for the backward"
+        f"of keys and values, the whole sequence's {gathered / 2**20:,.1f} MiB (reduce-scattered back "
+        f"in backward); {kept}"
     )
 
 

@@ -134,4 +134,5 @@ def test_kiln_check_describes_the_split(capsys):
     assert "dp_shard=8 × cp=4" in out
     assert "each rank holds 32,768 of every 131,072 tokens (chunks 16,384 long" in out
     # 2 (k, v) × 131072 tokens × 8 KV heads × 128 × 2 bytes = 512 MiB, 3/4 of it gathered.
-    assert "all-gathers 384.0 MiB of keys and values" in out
+    assert "all-gathers 384.0 MiB of keys and values, the whole sequence's 512.0 MiB" in out
+    assert "a checkpointed layer gathers them again when it is recomputed" in out
