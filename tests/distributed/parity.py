@@ -79,15 +79,15 @@ def records(run_dir):
     }
 
 
-def mismatches(got, expected, *, param_tolerance=TOLERANCE):
+def mismatches(got, expected, *, tolerance=TOLERANCE, param_tolerance=TOLERANCE):
     """What differs between two records of one step: {key: (got, expected)}, where a key is
     'loss', 'grad_norm' or 'param_grad_norms/<name>' (a name missing on one side: None).
-    `param_tolerance`: the relative bound of the per-parameter norms (TOLERANCE unless a test
-    says why its runs are noisier)."""
+    `tolerance`, `param_tolerance`: the relative bounds of the loss and gradient norm, and of the
+    per-parameter norms (TOLERANCE unless a test says why its runs are noisier)."""
     found = {
         key: (got[key], expected[key])
         for key in ("loss", "grad_norm")
-        if abs(got[key] - expected[key]) > TOLERANCE * abs(expected[key])
+        if abs(got[key] - expected[key]) > tolerance * abs(expected[key])
     }
     norms, reference = got["param_grad_norms"], expected["param_grad_norms"]
     floor = FLOOR * expected["grad_norm"]
@@ -98,9 +98,13 @@ def mismatches(got, expected, *, param_tolerance=TOLERANCE):
     return found
 
 
-def assert_parity(got, expected, steps=range(1, STEPS + 1), *, param_tolerance=TOLERANCE):
+def assert_parity(
+    got, expected, steps=range(1, STEPS + 1), *, tolerance=TOLERANCE, param_tolerance=TOLERANCE
+):
     for step in steps:
-        found = mismatches(got[step], expected[step], param_tolerance=param_tolerance)
+        found = mismatches(
+            got[step], expected[step], tolerance=tolerance, param_tolerance=param_tolerance
+        )
         listing = "\n".join(f"  {key}: {a} vs one process {b}" for key, (a, b) in found.items())
         assert not found, f"step {step}: {len(found)} values differ\n{listing}"
 
