@@ -246,6 +246,7 @@ def cmd_check(args) -> int:
 
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     # As in `kiln train`: a config mistake is reported before torch is imported.
+    from kiln.metrics.layout_summary import context_parallel_summary, float8_summary
     from kiln.metrics.memory import estimate_memory
     from kiln.model import count_params, flops_per_token
     from kiln.parallel.pipeline_split import pipeline_summary
@@ -288,30 +289,14 @@ def cmd_check(args) -> int:
     if layout["pp"] > 1:
         print(f"# pipeline: {pipeline_summary(cfg)}")
     if layout["cp"] > 1:
-        print(f"# context parallel: {_context_parallel_summary(cfg, layout)}")
+        print(f"# context parallel: {context_parallel_summary(cfg, layout)}")
+    if cfg.train.mixed_precision == "fp8":
+        print(f"# fp8: {float8_summary(cfg, layout)}")
     if not args.config_only:
         for note in preflight(cfg, args.world_size):
             print(f"# {note}")
     print("# config OK")
     return 0
-
-
-def _context_parallel_summary(cfg, layout: dict[str, int]) -> str:
-    from kiln.metrics.memory import gathered_kv_bytes
-
-    cp, seq_len = layout["cp"], cfg.train.seq_len
-    gathered = gathered_kv_bytes(cfg, layout)
-    kept = (
-        "a checkpointed layer gathers them again when it is recomputed"
-        if cfg.train.activation_checkpointing == "full"
-        else "a layer not checkpointed keeps them for its backward"
-    )
-    return (
-        f"each rank holds {seq_len // cp:,} of every {seq_len:,} tokens (chunks {seq_len // (2 * cp):,} "
-        f"long, head-tail); per layer and micro-batch it all-gathers {gathered * (cp - 1) / cp / 2**20:,.1f} MiB "
-        f"of keys and values, the whole sequence's {gathered / 2**20:,.1f} MiB (reduce-scattered back "
-        f"in backward); {kept}"
-    )
 
 
 # What the memory estimate's model state holds besides weights and gradients, per optimizer

@@ -12,6 +12,7 @@ pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import compute_error
 
+from kiln.cli import main
 from kiln.config import JobConfig, ModelConfig
 from kiln.config.sections import Float8Config, TrainConfig
 from kiln.config.validate import collect_problems
@@ -22,6 +23,7 @@ from kiln.model.feed_forward import FeedForward
 from kiln.model.rope import rope_tables
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.float8 import convert_to_float8, float8_layer_plan
+from tests.conftest import REPO
 
 MODEL = ModelConfig(
     dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=384, max_seq_len=64
@@ -139,3 +141,13 @@ def test_older_gpus_are_refused_with_the_capability_they_lack(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ConfigError, match=r"compute capability 8\.9 or newer .* this one is 8\.0"):
         convert_to_float8(build_model(MODEL), job(), device=torch.device("cuda"), tp=1)
+
+
+def test_kiln_check_says_what_stays_in_high_precision(capsys):
+    recipe = str(REPO / "configs" / "train" / "debug_moe.toml")
+    args = ["check", recipe, "--train.mixed_precision=fp8", "--config-only"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "# fp8: 14 of 16 linear layers in float8 (tensorwise), the rest in bf16" in out
+    assert "1 kept in bf16 ('output'), 1 kept in bf16 ('router')" in out
+    assert "the routed experts compute in bf16" in out and "MFU is against the bf16 peak" in out

@@ -17,6 +17,7 @@ RECIPES = {
     "7b_16gpu_adamw": (16, {"dp_shard": 16, "tp": 1}),
     "7b_16gpu_preemptible": (16, {"dp_shard": 16, "tp": 1}),
     "7b_16gpu_muon": (16, {"dp_shard": 16, "tp": 1}),
+    "7b_16gpu_fp8": (16, {"dp_shard": 16, "tp": 1}),
     "13b_24gpu_validation": (24, {"dp_shard": 6, "tp": 4}),
     "70b_32gpu_tp4": (32, {"dp_shard": 8, "tp": 4}),
     "13b_32gpu_tp4_pp2": (32, {"dp_shard": 4, "tp": 4, "pp": 2}),

@@ -1,0 +1,47 @@
+"""Lines `kiln check` prints about a layout's context parallel and FP8, from the config alone
+(the model is built on the meta device: nothing is allocated)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kiln.config.sections import JobConfig
+from kiln.metrics.memory import gathered_kv_bytes
+from kiln.model import build_model
+from kiln.parallel.float8 import float8_layer_plan
+
+
+def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
+    """Which linear layers compute in float8, and what stays in high precision and why."""
+    plan = float8_layer_plan(build_model(cfg.model), cfg, tp=layout["tp"])
+    # One line per reason, not per layer: "router" keeps one gate per MoE layer.
+    kept = Counter(reason for reason in plan.values() if reason is not None)
+    high = cfg.fp8.high_precision
+    experts = (
+        f"; the routed experts compute in {high} (grouped GEMMs, which torchao's float8 training "
+        "does not cover here)"
+        if cfg.model.num_experts > 0
+        else ""
+    )
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(kept.items())) or "none"
+    return (
+        f"{sum(r is None for r in plan.values())} of {len(plan)} linear layers in float8 "
+        f"({cfg.fp8.recipe}), the rest in {high}: {reasons}{experts}; MFU is against the bf16 peak"
+    )
+
+
+def context_parallel_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
+    """How context parallel splits each sequence and what its K/V all-gathers move."""
+    cp, seq_len = layout["cp"], cfg.train.seq_len
+    gathered = gathered_kv_bytes(cfg, layout)
+    kept = (
+        "a checkpointed layer gathers them again when it is recomputed"
+        if cfg.train.activation_checkpointing == "full"
+        else "a layer not checkpointed keeps them for its backward"
+    )
+    return (
+        f"each rank holds {seq_len // cp:,} of every {seq_len:,} tokens (chunks {seq_len // (2 * cp):,} "
+        f"long, head-tail); per layer and micro-batch it all-gathers {gathered * (cp - 1) / cp / 2**20:,.1f} MiB "
+        f"of keys and values, the whole sequence's {gathered / 2**20:,.1f} MiB (reduce-scattered back "
+        f"in backward); {kept}"
+    )
