@@ -77,6 +77,9 @@ def _grouped(x, w1, w3, w2, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offsets)
 
 
+# Eager even inside a compiled block: the loop's bounds are the token counts, data that
+# changes every step, and compiled it would recompile for each new count.
+@torch.compiler.disable
 def _looped(x, w1, w3, w2, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     # Every expert runs, an empty one on zero rows, so that each gets a gradient (zeros) even
     # when no token reached it.
