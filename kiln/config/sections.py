@@ -107,7 +107,7 @@ class Float8Config:
     # What the rest computes in: "bf16", or "fp32" to see float8's own error alone (numerics
     # checks; the parity tests compare layouts this way).
     high_precision: str = "bf16"
-    # Linear layers kept in bf16 besides the output head and the MoE routers, by name: "wo"
+    # Linear layers kept out of float8 besides the output head and the MoE routers, by name: "wo"
     # keeps every attention output projection, "layers.0" the whole first block.
     keep_high_precision: list[str] = field(default_factory=list)
 

@@ -13,7 +13,9 @@ from kiln.parallel.float8 import float8_layer_plan
 
 def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
     """Which linear layers compute in float8, and what stays in high precision and why."""
-    plan = float8_layer_plan(build_model(cfg.model), cfg, tp=layout["tp"])
+    model = build_model(cfg.model)
+    excluded = model.parallel_plan().float8_excluded
+    plan = float8_layer_plan(model, cfg, tp=layout["tp"], excluded=excluded)
     # One line per reason, not per layer: "router" keeps one gate per MoE layer.
     kept = Counter(reason for reason in plan.values() if reason is not None)
     high = cfg.fp8.high_precision

@@ -60,6 +60,8 @@ class ParallelPlan:
     # sets, to gather the keys and values of the sequence's other parts. None named: the family
     # cannot run context parallel.
     block_attention: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
+    # Linear layers FP8 keeps in high precision, by name or name segment (kiln/parallel/float8.py).
+    float8_excluded: tuple[str, ...] = ()
 
 
 def llama_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -84,6 +86,9 @@ def llama_plan(cfg: ModelConfig) -> ParallelPlan:
         block_sequence_units=_moe_sequence_units,
         block_moe=lambda block: ("feed_forward",) if _is_moe(block) else (),
         block_attention=lambda block: ("attention",),
+        # The head's logits feed the loss, where float8's rounding costs the most; a router's
+        # top-k choice flips on small differences.
+        float8_excluded=("output", "router"),
     )
 
 

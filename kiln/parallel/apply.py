@@ -63,7 +63,13 @@ def apply_parallelism(
     wrong_order = mutation_on("KILN_TEST_FSDP_BEFORE_TP") and fsdp_mesh is not None
     for part in parts:
         if cfg.train.mixed_precision == "fp8":
-            convert_to_float8(part, cfg, device=_device(parallel), tp=degrees["tp"])
+            convert_to_float8(
+                part,
+                cfg,
+                device=_device(parallel),
+                tp=degrees["tp"],
+                excluded=plan.float8_excluded,
+            )
         if wrong_order:
             shard(part)
         if degrees["tp"] > 1:

@@ -6,11 +6,11 @@ of forward and backward on them. The weights stay fp32 masters (FSDP gathers the
 float8 with `fp8.fsdp_float8_all_gather`) and so does the optimizer state; everything that is not
 a float8 linear layer computes in bf16, as under mixed_precision = "bf16".
 
-Kept in bf16: the output head (its logits feed the loss, where float8's 3 bits of mantissa cost
-the most), MoE routers (the top-k choice is sensitive to small differences), the routed experts
-(grouped GEMMs, which torchao's float8 training does not cover here), layers whose dimensions on
-a rank are not multiples of 16 (float8 matmuls need them), and any layer `fp8.keep_high_precision`
-names.
+Kept in high precision: the layers the model's plan excludes (Llama: the output head, whose
+logits feed the loss, and MoE routers, whose top-k choice flips on small differences), the routed
+experts (grouped GEMMs, which torchao's float8 training does not cover here), layers whose
+dimensions on a rank are not multiples of 16 (float8 matmuls need them), and any layer
+`fp8.keep_high_precision` names.
 
 Conversion swaps modules, so it runs before tensor parallel (DESIGN §4 names FP8 after CP: a
 module swap cannot follow TP, whose styles hold onto the modules they wrap; TP then splits the
@@ -29,17 +29,19 @@ from torch import nn
 from kiln.config.sections import JobConfig
 from kiln.errors import ConfigError
 
-# Kept in bf16 whatever the user lists: the output head and every MoE router's gate.
-ALWAYS_HIGH_PRECISION = ("output", "router")
 # float8 matmuls need both dimensions of the weight on each rank divisible by this.
 FLOAT8_ALIGNMENT = 16
 # The least compute capability whose tensor cores multiply float8, per recipe.
 CUDA_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0)}
 
 
-def float8_layer_plan(model: nn.Module, cfg: JobConfig, *, tp: int) -> dict[str, str | None]:
-    """Every linear layer of `model` by name: None if it will compute in float8, else why not."""
-    keep = ALWAYS_HIGH_PRECISION + tuple(cfg.fp8.keep_high_precision)
+def float8_layer_plan(
+    model: nn.Module, cfg: JobConfig, *, tp: int, excluded: tuple[str, ...]
+) -> dict[str, str | None]:
+    """Every linear layer of `model` by name: None if it will compute in float8, else why not.
+    Kept out: `excluded` (the model plan's `float8_excluded`: Llama's output head and MoE
+    routers) and what fp8.keep_high_precision names."""
+    keep = excluded + tuple(cfg.fp8.keep_high_precision)
     return {
         name: _kept_because(name, module, keep, tp)
         for name, module in model.named_modules()
@@ -47,11 +49,18 @@ def float8_layer_plan(model: nn.Module, cfg: JobConfig, *, tp: int) -> dict[str,
     }
 
 
-def convert_to_float8(model: nn.Module, cfg: JobConfig, *, device: torch.device, tp: int) -> int:
+def convert_to_float8(
+    model: nn.Module,
+    cfg: JobConfig,
+    *,
+    device: torch.device,
+    tp: int,
+    excluded: tuple[str, ...] = (),
+) -> int:
     """Swap the linear layers `float8_layer_plan` selects for torchao's Float8Linear (on the
     meta device, before any other parallelism); returns how many."""
     _check_device(cfg.fp8.recipe, device)
-    plan = float8_layer_plan(model, cfg, tp=tp)
+    plan = float8_layer_plan(model, cfg, tp=tp, excluded=excluded)
     chosen = {name for name, reason in plan.items() if reason is None}
     if plan and not chosen:
         raise ConfigError(
@@ -85,7 +94,7 @@ def precompute_float8_scales(model_parts: list[nn.Module], cfg: JobConfig) -> No
 def _kept_because(name: str, module: nn.Linear, keep: tuple[str, ...], tp: int) -> str | None:
     named = next((pattern for pattern in keep if f".{pattern}." in f".{name}."), None)
     if named is not None:
-        return f"kept in bf16 ({named!r})"
+        return f"kept out of float8 ({named!r})"
     dims = (module.in_features, module.out_features)
     # Under tensor parallel a rank holds 1/tp of one of them; both must still align.
     if any(d % FLOAT8_ALIGNMENT or (d // tp) % FLOAT8_ALIGNMENT for d in dims):
