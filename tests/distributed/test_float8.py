@@ -5,8 +5,8 @@ rounding and layouts can be compared closely.
 
 Dynamic scales depend on what a rank's matmul sees: the input's scale is taken over its
 micro-batch. So a data-parallel layout is compared with one process running the same
-micro-batches (4 sequences × 2 accumulation steps), and tensor parallel, whose ranks see the whole
-micro-batch, with one process on the whole batch of 8."""
+micro-batches (4 sequences × 2 accumulation steps), and tensor and context parallel, whose ranks
+split the sequences of the whole micro-batch, with one process on the whole batch of 8."""
 
 import pytest
 
@@ -18,8 +18,9 @@ pytest.importorskip("torchao")
 FP8 = ("--train.mixed_precision=fp8", "--fp8.high_precision=fp32")
 RECIPES = ("tensorwise", "rowwise")
 SAME_MICRO_BATCHES = ("--train.batch_size=4", "--train.grad_accum_steps=2")
-# Under TP a float8 cast sees inputs that differ from one process's in the last bits (partial
-# sums reduced in another order), and now and then one rounds to the neighbouring float8 value.
+# Under TP and CP a float8 cast sees inputs that differ from one process's in the last bits
+# (partial sums reduced in another order), and now and then one rounds to the neighbouring
+# float8 value.
 # Step 1 agrees at 1e-5 everywhere. The runs then drift apart the way two float8 runs do:
 # measured (tensorwise), a parameter's gradient norm by 2.5e-3 at step 6, the loss by 1.1e-5 at
 # step 9. Later steps are held to 1e-4 (loss, gradient norm) and 1e-2 (per parameter).
@@ -46,9 +47,21 @@ def test_float8_all_gather_matches_one_process(gangs, demo_data, runs, tmp_path)
     assert_parity(records(run_dir), records(runs(1, *SAME_MICRO_BATCHES, *fp8("tensorwise"))))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_tensor_parallel_matches_one_process(recipe, runs):
-    got = records(runs(2, "--distributed.tp=2", "--train.batch_size=8", *fp8(recipe)))
+# Layouts whose ranks split sequences, not batches: tensor parallel (the float8 casts of a split
+# layer see its whole input, a DTensor) and context parallel, whose ranks hold parts of each
+# sequence. Under cp a tensorwise input scale is each rank's own part's, so only rowwise (one
+# scale per token) computes one process's numbers.
+SEQUENCE_SPLITS = {
+    "tp=2, tensorwise": ("--distributed.tp=2", "tensorwise"),
+    "tp=2, rowwise": ("--distributed.tp=2", "rowwise"),
+    "cp=2, rowwise": ("--distributed.cp=2", "rowwise"),
+}
+
+
+@pytest.mark.parametrize("layout", SEQUENCE_SPLITS, ids=list(SEQUENCE_SPLITS))
+def test_sequence_splitting_layouts_match_one_process(layout, runs):
+    split, recipe = SEQUENCE_SPLITS[layout]
+    got = records(runs(2, split, "--train.batch_size=8", *fp8(recipe)))
     expected = records(runs(1, "--train.batch_size=8", *fp8(recipe)))
     assert_parity(got, expected, steps=[1])
     assert_parity(
