@@ -2,8 +2,9 @@
 
 PP split → TP → EP → CP → FP8 → AC → compile (per block) → FSDP2, the later steps on each
 pipeline stage, with one exception: FP8's conversion swaps linear modules for torchao's
-Float8Linear, which must happen before TP wraps them, so it runs right after the split (float8.py). What each step applies to (blocks, module styles, FSDP units, stage
-boundaries) comes from the model family's plan, `model.parallel_plan()`.
+Float8Linear, which must happen before TP wraps them, so it runs right after the split
+(float8.py). What each step applies to (blocks, module styles, FSDP units, stage boundaries)
+comes from the model family's plan, `model.parallel_plan()`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ torchao's `Float8Linear` casts a linear layer's input, weight and output gradien
 dynamic scales ("tensorwise": one per tensor; "rowwise": one per row) and runs the three matmuls
 of forward and backward on them. The weights stay fp32 masters (FSDP gathers them in bf16, or in
 float8 with `fp8.fsdp_float8_all_gather`) and so does the optimizer state; everything that is not
-a float8 linear layer computes in bf16, as under mixed_precision = "bf16".
+a float8 linear layer computes in `fp8.high_precision` (bf16, as under mixed_precision = "bf16",
+or fp32 for numerics checks).
 
 Kept in high precision: the layers the model's plan excludes (Llama: the output head, whose
 logits feed the loss, and MoE routers, whose top-k choice flips on small differences), the routed
