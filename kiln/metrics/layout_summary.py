@@ -26,9 +26,14 @@ def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
         else ""
     )
     reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(kept.items())) or "none"
+    gathers = ""
+    if layout["tp"] > 1:
+        precision = "float8" if cfg.fp8.recipe == "tensorwise" else high
+        gathers = f"; tensor parallel gathers their inputs in {precision}"
     return (
         f"{sum(r is None for r in plan.values())} of {len(plan)} linear layers in float8 "
-        f"({cfg.fp8.recipe}), the rest in {high}: {reasons}{experts}; MFU is against the bf16 peak"
+        f"({cfg.fp8.recipe}), the rest in {high}: {reasons}{experts}{gathers}; MFU is against the "
+        "bf16 peak"
     )
 
 

@@ -74,7 +74,7 @@ def apply_parallelism(
         if wrong_order:
             shard(part)
         if degrees["tp"] > 1:
-            apply_tensor_parallel(part, plan, parallel.mesh["tp"])
+            apply_tensor_parallel(part, plan, parallel.mesh["tp"], float8=_float8_styles(cfg))
         if degrees["ep"] > 1:
             apply_expert_parallel(part, plan, parallel.ep_mesh(), all_to_all_stats)
         if context is not None:
@@ -86,6 +86,11 @@ def apply_parallelism(
         if sharded and not wrong_order:
             shard(part)
     return parts
+
+
+def _float8_styles(cfg: JobConfig) -> bool:
+    # torchao's float8 tensor-parallel styles assume one scale per tensor.
+    return cfg.train.mixed_precision == "fp8" and cfg.fp8.recipe == "tensorwise"
 
 
 def _device(parallel: ParallelContext | None) -> torch.device:

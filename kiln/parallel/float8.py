@@ -14,8 +14,11 @@ dimensions on a rank are not multiples of 16 (float8 matmuls need them), and any
 `fp8.keep_high_precision` names.
 
 Conversion swaps modules, so it runs before tensor parallel (DESIGN §4 names FP8 after CP: a
-module swap cannot follow TP, whose styles hold onto the modules they wrap; TP then splits the
-float8 layers like plain linear ones). On a CPU, torchao emulates the float8 matmuls (same casts
+module swap cannot follow TP, whose styles hold onto the modules they wrap). Under tensorwise
+scaling TP then uses torchao's float8 styles (`float8_tensor_parallel`): activations are cast to
+float8 before TP gathers them, half the bytes of a bf16 gather, with one scale for the whole
+(sharded) tensor, as one process computes it. Rowwise scaling has no float8 styles: its layers
+are split like plain linear ones and gather their inputs in high precision. On a CPU, torchao emulates the float8 matmuls (same casts
 and scales, matmul in high precision): the numerics of a GPU run, for tests, not for speed.
 """
 
@@ -26,6 +29,8 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from kiln.config.sections import JobConfig
 from kiln.errors import ConfigError
@@ -90,6 +95,61 @@ def precompute_float8_scales(model_parts: list[nn.Module], cfg: JobConfig) -> No
 
         for part in model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def float8_tensor_parallel(
+    module: nn.Module, styles: dict[str, ParallelStyle]
+) -> dict[str, ParallelStyle]:
+    """`styles` (a plan's TP styles for `module`) with torchao's float8 styles where they apply:
+    column- and row-split layers that are Float8Linear, and a prepared input whose every
+    column-split consumer is one (it is then cast once, before the all-gather, instead of once
+    per consumer after it). Everything else keeps its style. Tensorwise scaling only."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def float8(path: str) -> bool:
+        return isinstance(module.get_submodule(path), Float8Linear)
+
+    def column_split_under(path: str) -> list[str]:
+        return [
+            p for p, s in styles.items() if p.startswith(f"{path}.") and _is(s, ColwiseParallel)
+        ]
+
+    converted = dict(styles)
+    for path, style in styles.items():
+        if _is(style, ColwiseParallel) and float8(path):
+            converted[path] = Float8ColwiseParallel(**_linear_layouts(style))
+        elif _is(style, RowwiseParallel) and float8(path):
+            converted[path] = Float8RowwiseParallel(**_linear_layouts(style))
+        elif _is(style, PrepareModuleInput) and style.input_layouts is not None:
+            consumers = column_split_under(path)
+            if consumers and all(map(float8, consumers)):
+                converted[path] = PrepareFloat8ModuleInput(
+                    input_layouts=style.input_layouts,
+                    desired_input_layouts=style.desired_input_layouts,
+                    input_kwarg_layouts=style.input_kwarg_layouts,
+                    desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                    use_local_output=style.use_local_output,
+                    fwd_config_submodule_fqn=consumers[0].removeprefix(f"{path}."),
+                )
+    return converted
+
+
+def _is(style: ParallelStyle, kind: type) -> bool:
+    # Exact type: a subclass (a test mutation, another float8 style) changes what it does.
+    return type(style) is kind
+
+
+def _linear_layouts(style: ColwiseParallel | RowwiseParallel) -> dict:
+    return {
+        "input_layouts": style.input_layouts[0],
+        "output_layouts": style.output_layouts[0],
+        "use_local_output": style.use_local_output,
+    }
 
 
 def _kept_because(name: str, module: nn.Linear, keep: tuple[str, ...], tp: int) -> str | None:

@@ -16,16 +16,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from kiln.model.parallel_plan import ParallelPlan
+from kiln.parallel.float8 import float8_tensor_parallel
 from kiln.parallel.mutations import mutation_on, unreduced_norm_gradients
 
 
-def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, *, float8: bool = False
+) -> None:
+    """Split `model`'s modules over `mesh` as the plan says; `float8`: the model's float8 layers
+    (tensorwise) take torchao's float8 styles, which gather their inputs in float8."""
     # A pipeline stage holds only some top-level modules; its hidden states cross stages
     # sequence-sharded.
     present = {name: style for name, style in plan.tp.items() if getattr(model, name) is not None}
     if present:
-        parallelize_module(model, mesh, present)
+        parallelize_module(
+            model, mesh, float8_tensor_parallel(model, present) if float8 else present
+        )
     unreduced = mutation_on("KILN_TEST_UNREDUCED_SP_NORM_GRADS")
     for block in getattr(model, plan.blocks).values():
         styles = plan.block_tp(block)
-        parallelize_module(block, mesh, unreduced_norm_gradients(styles) if unreduced else styles)
+        if unreduced:
+            styles = unreduced_norm_gradients(styles)
+        if float8:
+            styles = float8_tensor_parallel(block, styles)
+        parallelize_module(block, mesh, styles)

@@ -153,3 +153,49 @@ def test_kiln_check_says_what_stays_in_high_precision(capsys):
     assert "# fp8: 14 of 16 linear layers in float8 (tensorwise), the rest in bf16" in out
     assert "1 kept out of float8 ('output'), 1 kept out of float8 ('router')" in out
     assert "the routed experts compute in bf16" in out and "MFU is against the bf16 peak" in out
+
+
+def test_tensorwise_tensor_parallel_takes_torchaos_float8_styles():
+    """Split layers that compute in float8 take the float8 styles; a prepared input is cast to
+    float8 before its gather only when every column-split layer that reads it is float8."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        SequenceParallel,
+    )
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from kiln.parallel.float8 import float8_tensor_parallel
+
+    def styles(**fp8):
+        model = build_model(MODEL)
+        convert_to_float8(model, job(**fp8), device=torch.device("cpu"), tp=2, excluded=EXCLUDED)
+        block = model.layers["0"]
+        return float8_tensor_parallel(block, llama_plan(MODEL).block_tp(block))
+
+    every = styles()
+    assert type(every["attention"]) is PrepareFloat8ModuleInput
+    assert every["attention"].fwd_config_submodule_fqn == "wq"
+    assert type(every["feed_forward.w1"]) is Float8ColwiseParallel
+    assert type(every["attention.wo"]) is Float8RowwiseParallel
+    assert type(every["attention_norm"]) is SequenceParallel
+
+    # wk kept in high precision: the attention's input is gathered as it is, and each float8
+    # layer casts its own copy.
+    partly = styles(keep_high_precision=["wk"])
+    assert type(partly["attention"]) is PrepareModuleInput
+    assert type(partly["attention.wk"]) is ColwiseParallel
+    assert type(partly["attention.wq"]) is Float8ColwiseParallel
+    assert type(partly["feed_forward"]) is PrepareFloat8ModuleInput
+
+
+def test_kiln_check_says_how_tensor_parallel_gathers_float8_inputs(capsys):
+    recipe = str(REPO / "configs" / "train" / "debug.toml")
+    for recipe_name, gathered in (("tensorwise", "float8"), ("rowwise", "bf16")):
+        args = ["check", recipe, "--train.mixed_precision=fp8", f"--fp8.recipe={recipe_name}"]
+        assert main([*args, "--distributed.tp=2", "--world-size=2", "--config-only"]) == 0
+        assert f"tensor parallel gathers their inputs in {gathered}" in capsys.readouterr().out
