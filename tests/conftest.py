@@ -1,4 +1,10 @@
-"""Shared fixtures: the built-in corpus is built once per test session."""
+"""Shared fixtures: the built-in corpus is built once per test session.
+
+`make test` runs the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`): every test that
+uses the gangs of worker processes (tests/distributed/workers.py) runs in one of them, so the
+gangs start once and the one-process reference runs are trained once; the other worker takes the
+tests that start their own processes (torchrun, `kiln verify`, the CLI) or run in-process, which
+wait on launches, signals and timeouts while the gangs keep both cores busy."""
 
 from __future__ import annotations
 
@@ -12,6 +18,12 @@ DEBUG_CONFIG = REPO / "configs" / "train" / "debug.toml"
 
 # Two cores: keep torch from oversubscribing when tests run subprocesses.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "gangs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("gangs"))
 
 
 @pytest.fixture(scope="session")
