@@ -20,10 +20,10 @@ DEBUG_CONFIG = REPO / "configs" / "train" / "debug.toml"
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "gangs" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("gangs"))
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Marked as each test is collected: xdist reads the groups when collection is modified.
+    if "gangs" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group("gangs"))
 
 
 @pytest.fixture(scope="session")

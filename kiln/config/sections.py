@@ -262,6 +262,31 @@ class MetricsConfig:
     # MoE: warn when an expert has received no token for this many optimizer steps in a row
     # (0: never).
     idle_expert_warn_steps: int = 100
+    # Every record of metrics.jsonl also goes, under the same names and from rank 0 only, to
+    # TensorBoard (event files in <run_dir>/tensorboard; pip install 'kiln[tb]') and to Weights &
+    # Biases (pip install 'kiln[wandb]'), whose run id is kept in <run_dir>/wandb_run_id so that a
+    # resumed job continues the same run.
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "kiln"
+    wandb_entity: str = ""  # empty: your default entity
+    # "online", "offline" (written to <run_dir>/wandb; `wandb sync` uploads it later), "disabled".
+    # Online without a network warns once and continues offline.
+    wandb_mode: str = "online"
+
+
+@dataclass
+class ProfilingConfig:
+    # torch.profiler traces of steps start_step..end_step (inclusive) on `ranks` (empty: every
+    # rank), written to <run_dir>/profile/rank_<r>/ for TensorBoard or Perfetto, with kiln's phases
+    # named (data, forward, backward, optimizer, checkpoint, pipeline, all-to-all).
+    enabled: bool = False
+    start_step: int = 3
+    end_step: int = 4
+    ranks: list[int] = field(default_factory=lambda: [0])
+    # Also record allocations: on CUDA a memory snapshot (<run_dir>/profile/rank_<r>/
+    # memory_snapshot.pickle, for pytorch.org/memory_viz), on the CPU the profiler's memory view.
+    record_memory: bool = False
 
 
 @dataclass
@@ -277,3 +302,4 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

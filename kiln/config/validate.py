@@ -14,6 +14,7 @@ from kiln.config.pipeline import (
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
 from kiln.config.validate_float8 import float8_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
+from kiln.config.validate_observability import observability_problems
 from kiln.config.validate_optimizer import OPTIMIZERS, optimizer_problems
 from kiln.errors import ConfigError
 
@@ -45,7 +46,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
     problems += optimizer_problems(cfg) + float8_problems(cfg)
-    problems += _data_problems(cfg) + _eval_problems(cfg)
+    problems += _data_problems(cfg) + _eval_problems(cfg) + observability_problems(cfg, world_size)
     return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 
 

@@ -1,4 +1,5 @@
-"""Per-step metrics: a readable stdout line with a progress bar and ETA, and metrics.jsonl."""
+"""Per-step metrics: a readable stdout line with a progress bar and ETA, metrics.jsonl, and the
+logging backends (kiln/metrics/backends.py) under the same names."""
 
 from __future__ import annotations
 
@@ -6,15 +7,28 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kiln.metrics.backends import Backend
 
 JSONL_NAME = "metrics.jsonl"
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, max_steps: int, start_step: int, jsonl: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        max_steps: int,
+        start_step: int,
+        jsonl: bool = True,
+        backends: Sequence[Backend] = (),
+    ):
         self.path = Path(run_dir) / JSONL_NAME if jsonl else None
+        self.backends = list(backends)
         self.max_steps = max_steps
         self.start_step = start_step
         self.start_time = time.perf_counter()
@@ -25,7 +39,16 @@ class MetricsLogger:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.backends:
+            values = scalars(record)
+            for backend in self.backends:
+                backend.log(record["step"], values)
         print(self.format_line(record), flush=True)
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
+        self.backends = []
 
     def format_line(self, r: dict[str, Any]) -> str:
         step = r["step"]
@@ -55,6 +78,26 @@ class MetricsLogger:
             share, sent = max(r["ep/all_to_all_share"]), max(r["ep/sent_tokens"])
             parts.append(f"all-to-all {100 * share:.0f}% of step, {sent:,} tokens out")
         return " | ".join(parts)
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """Every number of a metrics.jsonl record by its flattened name (`step` is the x-axis)."""
+    found: dict[str, float] = {}
+    for name, value in record.items():
+        if name != "step":
+            _flatten(name, value, found)
+    return found
+
+
+def _flatten(name: str, value: Any, found: dict[str, float]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(f"{name}/{key}", item, found)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _flatten(f"{name}/{index}", item, found)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        found[name] = float(value)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

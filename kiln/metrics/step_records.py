@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.config import JobConfig
 from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics
-from kiln.metrics.mfu import mfu
+from kiln.metrics.mfu import mfu, peak_flops
 from kiln.metrics.plot import plot_loss_curve
+from kiln.model import flops_per_token
+
+if TYPE_CHECKING:
+    from kiln.metrics.backends import Backend
 
 
 class StepWindow:
@@ -44,29 +50,38 @@ class StepLog:
 
     def __init__(
         self,
-        run_dir: Path,
+        cfg: JobConfig,
         *,
-        log_interval: int,
-        eval_interval: int,
-        max_steps: int,
         start_step: int,
-        jsonl: bool,
-        flops_per_token: float,
-        peak_flops: float | None,
+        is_main: bool,
         num_devices: int,
         device: torch.device,
+        backends: Sequence[Backend] = (),
     ):
+        """`backends` and metrics.jsonl are written by the main rank only."""
+        train = cfg.train
         self.logger = MetricsLogger(
-            run_dir, max_steps=max_steps, start_step=start_step, jsonl=jsonl
+            Path(cfg.metrics.run_dir),
+            max_steps=train.max_steps,
+            start_step=start_step,
+            jsonl=cfg.metrics.jsonl and is_main,
+            backends=backends,
         )
-        self.log_interval, self.eval_interval, self.max_steps = (
-            log_interval,
-            eval_interval,
-            max_steps,
-        )
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.log_interval, self.eval_interval = cfg.metrics.log_interval, cfg.eval.interval
+        self.max_steps = train.max_steps
+        self.flops_per_token = flops_per_token(cfg.model, train.seq_len)
+        self.peak_flops = peak_flops(device)
         self.num_devices, self.device = num_devices, device
         self.window = StepWindow()
+
+    def excluding(self, action: Callable[[], None]) -> None:
+        """Run `action` (an evaluation, a checkpoint) off the training clock."""
+        started = time.perf_counter()
+        action()
+        self.exclude(time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.logger.close()
 
     def add(self, loss: torch.Tensor, tokens: int) -> None:
         self.window.add(loss, tokens)
@@ -109,9 +124,10 @@ class StepLog:
         self.window.exclude(seconds)
 
 
-def run_summary(run_dir: Path, *, step: int, checkpoint: Path | None, plot: bool) -> str:
+def run_summary(cfg: JobConfig, *, step: int, checkpoint: Path | None) -> str:
     """One line: the last step, how far the mean loss fell, the newest checkpoint, the plot."""
-    history = read_metrics(Path(run_dir) / JSONL_NAME)
+    run_dir, plot = Path(cfg.metrics.run_dir), cfg.metrics.plot
+    history = read_metrics(run_dir / JSONL_NAME)
     lines = [f"kiln: finished step {step}"]
     if history:
         first, last = history[0]["loss_avg"], history[-1]["loss_avg"]
@@ -123,7 +139,7 @@ def run_summary(run_dir: Path, *, step: int, checkpoint: Path | None, plot: bool
         lines.append(f"checkpoint {checkpoint}")
     curve = None
     if plot and history:
-        curve = plot_loss_curve(Path(run_dir) / JSONL_NAME, Path(run_dir) / "loss_curve.png")
+        curve = plot_loss_curve(run_dir / JSONL_NAME, run_dir / "loss_curve.png")
     if curve is not None:
         lines.append(f"loss curve {curve}")
     return " | ".join(lines)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from kiln.model.moe.dispatch import DispatchState, LocalDispatcher
 from kiln.model.moe.router import is_training_forward
@@ -52,7 +53,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(rows: torch.Tensor, received: list[int], sent: list[int], group, stats):
     out = rows.new_empty(sum(received), *rows.shape[1:])
-    with stats.timed():
+    with stats.timed(), record_function("all-to-all"):
         dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
     row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
     rank = dist.get_rank(group)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import record_function
 
 from kiln.config.sections import JobConfig
 from kiln.parallel.mesh import ParallelContext
@@ -62,11 +63,12 @@ class ForwardBackward:
             return self._pipelined(inputs, labels, kwargs, scale=scale)
         with self.loss_context():
             # The loss too: the chunked loss runs the output head (cross entropy is fp32 anyway).
-            with self.autocast:
+            with self.autocast, record_function("forward"):
                 output = self.model_parts[0](inputs, **kwargs)
                 losses = self.loss_fn(output, labels)
             if scale is not None:
-                (losses.sum() * scale).backward()
+                with record_function("backward"):
+                    (losses.sum() * scale).backward()
         return _full(losses.detach())
 
     def _pipelined(
@@ -82,7 +84,8 @@ class ForwardBackward:
         self._scale = scale if scale is not None else torch.ones((), device=self.device)
         losses: list[torch.Tensor] = []
         run = self.schedule.step if scale is not None else self.schedule.eval
-        with self.loss_context(), self.autocast:
+        phase = "pipeline forward-backward" if scale is not None else "pipeline forward"
+        with self.loss_context(), self.autocast, record_function(phase):
             # Keyword arguments reach every stage (split into micro-batches like the inputs), so
             # each stage builds the attention mask from what every rank has read.
             run(

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from kiln.config import JobConfig
 from kiln.data.dataset import TokenDataset
@@ -249,7 +250,8 @@ class TrainStep:
                 for group in optimizer.param_groups:
                     # Checkpoints written before base_lr existed hold one AdamW at optimizer.lr.
                     group["lr"] = group.setdefault("base_lr", self.cfg.optimizer.lr) * factor
-                optimizer.step()
+                with record_function("optimizer"):
+                    optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if not skip:
             precompute_float8_scales(self.model_parts, self.cfg)

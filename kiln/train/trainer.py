@@ -9,6 +9,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from kiln.checkpoint.fingerprint import run_fingerprint
 from kiln.checkpoint.manager import CheckpointManager
@@ -16,10 +17,11 @@ from kiln.config import JobConfig, validate, write_config
 from kiln.data.loader import BatchLoader
 from kiln.data.sources import ensure_local_data, open_data, training_tokenizer
 from kiln.errors import KilnError, first_line
+from kiln.metrics.backends import open_backends
 from kiln.metrics.logger import truncate_after, warn
-from kiln.metrics.mfu import peak_flops
+from kiln.metrics.profiler import StepProfiler
 from kiln.metrics.step_records import StepLog, run_summary
-from kiln.model import build_model, flops_per_token, materialize
+from kiln.model import build_model, materialize
 from kiln.parallel.agree import decide_on_main
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.collectives import is_collective_failure
@@ -51,7 +53,6 @@ class Trainer:
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
         start = self.checkpoints.start_point(self.fingerprint())
         check_stop_at_step(cfg, start.step)
-
         torch.manual_seed(cfg.train.seed)
         # The whole model, or under pipeline parallel the stages this rank runs. Weights a
         # checkpoint will overwrite are not drawn.
@@ -104,8 +105,10 @@ class Trainer:
         when a rank was signalled (SIGTERM/SIGUSR1/SIGINT)."""
         preemption = PreemptionFlag()
         watchdog = StepWatchdog(self.cfg.resilience.step_timeout_s, rank=self.parallel.rank)
+        log, main = self._step_log(), self.parallel.is_main
+        profiler = StepProfiler(self.cfg, rank=self.parallel.rank, device=self.device)
         try:
-            records = self._loop(preemption, watchdog)
+            records = self._loop(preemption, watchdog, log, profiler)
         except RuntimeError as error:
             if not is_collective_failure(error):
                 raise
@@ -117,36 +120,27 @@ class Trainer:
         finally:
             watchdog.close()
             preemption.restore()
-        if self.parallel.is_main:
-            summary = run_summary(
-                self.run_dir,
-                step=self.step,
-                checkpoint=self.checkpoints.newest(),
-                plot=self.cfg.metrics.plot,
-            )
-            print(summary, flush=True)
+            profiler.close()
+            log.close()
+        if main:
+            print(run_summary(self.cfg, step=self.step, checkpoint=self.checkpoints.newest()))
         return records
 
-    def _loop(self, preemption: PreemptionFlag, watchdog: StepWatchdog) -> list[dict]:
+    def _loop(
+        self,
+        preemption: PreemptionFlag,
+        watchdog: StepWatchdog,
+        log: StepLog,
+        profiler: StepProfiler,
+    ) -> list[dict]:
         cfg = self.cfg.train
-        log = StepLog(
-            self.run_dir,
-            log_interval=self.cfg.metrics.log_interval,
-            eval_interval=self.cfg.eval.interval,
-            max_steps=cfg.max_steps,
-            start_step=self.step,
-            jsonl=self.cfg.metrics.jsonl and self.parallel.is_main,
-            flops_per_token=flops_per_token(self.cfg.model, cfg.seq_len),
-            peak_flops=peak_flops(self.device),
-            num_devices=self.parallel.world_size,
-            device=self.device,
-        )
         last_step = min(cfg.stop_at_step or cfg.max_steps, cfg.max_steps)
         records, first_step = [], self.step + 1
         while self.step < last_step:
             began = time.perf_counter()
             if self.step + 1 > first_step:  # the first step compiles and warms up: no bound on it
                 watchdog.arm(self.step + 1)
+            profiler.before_step(self.step + 1)
             result = self.train_step(
                 stop_requested=preemption.received is not None, time_up=self._time_up()
             )
@@ -158,9 +152,10 @@ class Trainer:
             if action != "ok" and self._non_finite_step(action, result, log):
                 continue  # rolled back: nothing of this step to checkpoint
             if self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0:
-                log.exclude(_timed(self.save))  # saving is not training time
+                log.excluding(self.save)  # saving is not training time
             if result.save_written:
                 self.checkpoints.finish_save()
+            profiler.after_step(self.step)  # the step's checkpoint is in its trace
             self.iteration_seconds.append(time.perf_counter() - began)
             if result.stop or result.time_up:
                 return self._stop_early(result, preemption, records)
@@ -179,10 +174,22 @@ class Trainer:
             "time_up": time_up,
             "save_pending": not self.checkpoints.written_locally(),
         }
-        result = self.step_fn(self.loader.next_step(), step=self.step + 1, flags=flags)
+        with record_function("data"):
+            batch = self.loader.next_step()
+        result = self.step_fn(batch, step=self.step + 1, flags=flags)
         self.step += 1
         self.tokens_seen += result.tokens
         return result
+
+    def _step_log(self) -> StepLog:
+        return StepLog(
+            self.cfg,
+            start_step=self.step,
+            is_main=self.parallel.is_main,
+            num_devices=self.parallel.world_size,
+            device=self.device,
+            backends=open_backends(self.cfg, start_step=self.step) if self.parallel.is_main else (),
+        )
 
     def _time_up(self) -> bool:
         """train.time_limit_minutes, decided on rank 0 (the flag is agreed in the step): stop
@@ -206,7 +213,7 @@ class Trainer:
         record |= self.step_fn.dataset_records()
         record |= self.step_fn.moe_records()
         if log.eval_due(self.step):
-            log.exclude(_timed(lambda: record.update(self.evaluate())))  # not training time
+            log.excluding(lambda: record.update(self.evaluate()))  # not training time
         if self.parallel.is_main:
             log.logger.log(record)
         return record
@@ -261,8 +268,7 @@ class Trainer:
             return self.step_fn.evaluate(self.eval_data)
 
     def _open_data(self):
-        # Rank 0 builds what is missing (the built-in corpus, tokenized Hugging Face datasets)
-        # while the others wait; then every rank opens the data itself.
+        # Rank 0 builds what is missing (demo corpus, tokenized HF datasets); then all open it.
         cache_dir = self.run_dir / "data_cache"
         decide_on_main(
             lambda: ensure_local_data(self.cfg.data, cache_dir), what="prepare the training data"
@@ -272,7 +278,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint this step (in the background with checkpoint.async_mode = "async"), with
         Schedule-Free's weights at their evaluation point (an async save has copied them)."""
-        with optimizer_eval_point(self.optimizers):
+        with optimizer_eval_point(self.optimizers), record_function("checkpoint"):
             self.checkpoints.save(
                 self.step,
                 model=self.model_parts,
@@ -292,9 +298,3 @@ class Trainer:
     def _continue_from(self, state: dict) -> None:
         self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
         self.loader.load_state_dict(state)
-
-
-def _timed(action) -> float:
-    started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
