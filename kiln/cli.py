@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 from kiln.errors import ConfigError, KilnError, RelayedError
 
@@ -41,6 +42,61 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kiln")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "(not installed)"
+
+
+def _add_run_views(subcommand) -> None:
+    plot = subcommand(
+        "plot",
+        help="redraw a run's loss curve (training and eval loss) into RUN_DIR/loss_curve.png",
+        epilog=_docs("observability.md"),
+    )
+    plot.add_argument("run_dir", help="a run directory (metrics.run_dir)")
+    plot.set_defaults(run=cmd_plot)
+    compare = subcommand(
+        "compare",
+        help="plot several runs' loss (or another metric) against steps and tokens, and print "
+        "their final values",
+        epilog=_docs("observability.md"),
+    )
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument(
+        "--metric", default="loss", help="a metrics.jsonl name, e.g. eval/loss, grad_norm"
+    )
+    compare.add_argument("--out", default="compare.png", help="where the PNG goes")
+    compare.set_defaults(run=cmd_compare)
+
+
+def cmd_plot(args) -> int:
+    from pathlib import Path
+
+    from kiln.metrics.logger import JSONL_NAME
+    from kiln.metrics.plot import CURVE_NAME, plot_loss_curve
+
+    run_dir = Path(args.run_dir)
+    curve = plot_loss_curve(run_dir / JSONL_NAME, run_dir / CURVE_NAME)
+    if curve is None:
+        raise KilnError(f"{run_dir} has no {JSONL_NAME} with records: is it a kiln run directory?")
+    print(f"kiln: loss curve {curve}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from pathlib import Path
+
+    from kiln.metrics.compare import compare_runs
+
+    print(compare_runs([Path(d) for d in args.run_dirs], metric=args.metric, out=Path(args.out)))
+    print(f"kiln: plot {args.out}")
+    return 0
+
+
 def _reports(error: KilnError) -> bool:
     """Under torchrun every rank fails on a bad config or on rank 0's error: rank 0 alone says
     so, once. An error of this rank's own (a failed collective) is reported by the rank."""
@@ -48,18 +104,41 @@ def _reports(error: KilnError) -> bool:
     return rank == 0 or not isinstance(error, ConfigError | RelayedError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="PyTorch-native LLM pretraining.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default where it says something (not None, not an off switch)."""
 
-    train = sub.add_parser("train", help="train a model from a TOML recipe", epilog=OVERRIDE_HELP)
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _docs(page: str) -> str:
+    return f"Guide: docs/{page} in the kiln repository."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln",
+        description="PyTorch-native LLM pretraining.",
+        epilog="Every command's --help shows its defaults. " + _docs("quickstart.md"),
+    )
+    parser.add_argument("--version", action="version", version=f"kiln {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subcommand = partial(sub.add_parser, formatter_class=_HelpFormatter)
+
+    train = subcommand(
+        "train",
+        help="train a model from a TOML recipe",
+        epilog=f"{OVERRIDE_HELP}. {_docs('configuration.md')}",
+    )
     train.add_argument("config", help="path to a TOML recipe, e.g. configs/train/debug.toml")
     train.set_defaults(run=cmd_train, accepts_overrides=True)
 
-    check = sub.add_parser(
+    check = subcommand(
         "check",
         help="validate a recipe and print the resolved config, layout, size",
-        epilog=OVERRIDE_HELP,
+        epilog=f"{OVERRIDE_HELP}. {_docs('parallelism.md')}",
     )
     check.add_argument("config", help="path to a TOML recipe")
     check.add_argument(
@@ -76,9 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(run=cmd_check, accepts_overrides=True)
 
-    prepare = sub.add_parser(
+    prepare = subcommand(
         "prepare",
         help="tokenize text/JSONL/Parquet/Hugging Face datasets into memory-mapped token shards",
+        epilog=_docs("data.md"),
     )
     prepare.add_argument(
         "--demo",
@@ -136,10 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.set_defaults(run=cmd_prepare)
 
-    verify = sub.add_parser(
+    verify = subcommand(
         "verify",
         help="prove a layout matches one process, step by step, on a small proxy of the model",
-        epilog=OVERRIDE_HELP,
+        epilog=f"{OVERRIDE_HELP}. {_docs('parallelism.md')}",
     )
     verify.add_argument("config", help="path to a TOML recipe")
     verify.add_argument(
@@ -147,28 +227,40 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="processes for the layout (default: the layout's product, with dp_shard = -1 as 2)",
     )
-    verify.add_argument("--steps", type=int, default=5)
+    verify.add_argument("--steps", type=int, default=5, help="training steps to compare")
     verify.add_argument(
         "--data", default="data/demo", help="built-in corpus location (built if missing)"
     )
     verify.set_defaults(run=cmd_verify, accepts_overrides=True)
 
-    generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
-    generate.add_argument(
-        "checkpoint", help="a checkpoint directory (its newest step) or a step_XXXXXXXX folder"
+    generate = subcommand(
+        "generate",
+        help="continue a prompt with a trained checkpoint",
+        epilog=_docs("quickstart.md"),
     )
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument(
+        "checkpoint",
+        help="a run directory or a checkpoint directory (their newest step), or a "
+        "step_XXXXXXXX folder",
+    )
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens to generate after the prompt"
+    )
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument(
         "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)"
     )
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    generate.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run the model"
+    )
     generate.set_defaults(run=cmd_generate)
 
-    convert = sub.add_parser(
+    _add_run_views(subcommand)
+
+    convert = subcommand(
         "convert",
         help="convert between Hugging Face (Llama, Mixtral, Qwen3-MoE) and kiln checkpoints",
     )
@@ -242,102 +334,21 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from kiln.config import load_config, resolve_layout, to_toml
+    from kiln.config import load_config, to_toml
 
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     # As in `kiln train`: a config mistake is reported before torch is imported.
-    from kiln.metrics.layout_summary import context_parallel_summary, float8_summary
-    from kiln.metrics.memory import estimate_memory
-    from kiln.model import count_params, flops_per_token
-    from kiln.parallel.pipeline_split import pipeline_summary
+    from kiln.metrics.layout_report import layout_report
     from kiln.train.preflight import preflight
 
-    layout = resolve_layout(cfg.distributed, args.world_size)
-    params = count_params(cfg.model)
-    data_ranks = layout["dp_replicate"] * layout["dp_shard"] * layout["ep"]
-    global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
-    memory = estimate_memory(cfg, layout)
     print(to_toml(cfg))
-    print(f"# world size {args.world_size}: " + " × ".join(f"{k}={v}" for k, v in layout.items()))
-    print(f"# data-parallel ranks: {data_ranks}")
-    print(f"# parameters: {params.total:,} ({params.non_embedding:,} non-embedding)")
-    if cfg.model.num_experts > 0:
-        print(
-            f"# active parameters per token: {params.active:,} (top-{cfg.model.moe_top_k} experts)"
-        )
-    print(
-        f"# FLOPs per token (fwd+bwd, seq_len {cfg.train.seq_len}): {flops_per_token(cfg.model, cfg.train.seq_len):.4g}"
-    )
-    print(
-        f"# global batch: {global_batch} sequences = {global_batch * cfg.train.seq_len:,} tokens per step"
-    )
-    # MoE: every expert has weights, gradients and moments; a token's activations are its top k's.
-    experts = (
-        (_expert_state_label(cfg.model, layout), f"top-{cfg.model.moe_top_k} experts, ")
-        if cfg.model.num_experts > 0
-        else ("", "")
-    )
-    print(
-        f"# memory per GPU (estimate): {memory.total / 2**30:.1f} GiB = model state {memory.model_state / 2**30:.1f} GiB"
-        f" (fp32 weights, grads, {OPTIMIZER_STATE[cfg.optimizer.name]}{experts[0]}) + activations {memory.activations / 2**30:.1f} GiB"
-        f" ({experts[1]}activation_checkpointing = {cfg.train.activation_checkpointing!r})"
-    )
-    if cfg.model.num_experts > 0:
-        note = _expert_padding_note(cfg.model, layout)
-        if note:
-            print(f"# {note}")
-    if layout["pp"] > 1:
-        print(f"# pipeline: {pipeline_summary(cfg)}")
-    if layout["cp"] > 1:
-        print(f"# context parallel: {context_parallel_summary(cfg, layout)}")
-    if cfg.train.mixed_precision == "fp8":
-        print(f"# fp8: {float8_summary(cfg, layout)}")
+    for line in layout_report(cfg, args.world_size):
+        print(f"# {line}")
     if not args.config_only:
         for note in preflight(cfg, args.world_size):
             print(f"# {note}")
     print("# config OK")
     return 0
-
-
-# What the memory estimate's model state holds besides weights and gradients, per optimizer
-# (kiln/metrics/memory.py): 8 bytes per parameter of AdamW moments or Schedule-Free z and v, 4 of
-# Lion's momentum, Muon's momentum (4) for its matrices and AdamW's moments for the rest.
-OPTIMIZER_STATE = {
-    "adamw": "AdamW",
-    "muon": "Muon/AdamW state",
-    "lion": "Lion state",
-    "schedule_free_adamw": "Schedule-Free AdamW state",
-}
-
-
-def _expert_state_label(model, layout: dict[str, int]) -> str:
-    """What the model state counts of the routed experts: all of them, or an ep rank's share."""
-    if layout["ep"] == 1:
-        return f" of all {model.num_experts} experts"
-    local = model.num_experts // layout["ep"]
-    return f" of this ep rank's {local} of {model.num_experts} experts"
-
-
-def _expert_padding_note(model, layout: dict[str, int]) -> str | None:
-    """FSDP splits each expert's rows (or columns) over its ranks where they divide; where
-    neither does, the experts are cut into whole-expert chunks, padded where the ranks do not
-    divide the experts: say so, it is where the estimate rounds up."""
-    from kiln.metrics.memory import expert_shards
-
-    shards = expert_shards(model, layout)
-    if not shards.padded:
-        return None
-    holding = -(-shards.local // shards.chunk)
-    owner = f"each ep rank's {shards.local}" if layout["ep"] > 1 else f"the {shards.local}"
-    plural = "s" if shards.chunk > 1 else ""
-    return (
-        f"experts: neither the expert hidden size ({model.expert_hidden_dim}) nor dim "
-        f"({model.dim}) divides over the {shards.ranks} ranks (dp_shard × tp) that shard {owner} "
-        f"experts of an MoE layer, so FSDP splits them in chunks of {shards.chunk} whole "
-        f"expert{plural}: {holding} of those ranks hold experts, and every rank stores a whole "
-        f"chunk of weights and gradients, padding where it holds fewer; the estimate counts the "
-        f"busiest rank"
-    )
 
 
 def cmd_verify(args) -> int:

@@ -146,10 +146,13 @@ def remove_partials(root: Path) -> None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A step folder, or a checkpoint root (its newest complete step); anything else is an error."""
+    """A step folder, a checkpoint root or a run directory holding one in `checkpoints/` (their
+    newest complete step); anything else is an error."""
     path = Path(path)
     if not path.exists():
         raise KilnError(f"checkpoint not found: {path}")
+    if not complete_steps(path) and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"  # a run directory (metrics.run_dir)
     if _STEP_RE.match(path.name) and is_complete(path):
         problem = damage(path)
         if problem is not None:

@@ -77,20 +77,27 @@ def _worker_encode(texts: list[str]) -> tuple[list[np.ndarray], int]:
     return encode_texts(*_worker_state, texts)
 
 
+# How often progress is written when stderr is a file (a batch job's log), not a terminal.
+LOG_FILE_INTERVAL_S = 30.0
+
+
 class Progress:
-    """One self-overwriting status line on stderr, refreshed at most twice a second."""
+    """A status line on stderr: rewritten in place twice a second on a terminal; in a log file,
+    a new line every LOG_FILE_INTERVAL_S, without carriage returns."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.last = 0.0
         self.bytes = 0
+        self.terminal = sys.stderr.isatty()
 
     def update(self, documents: int, tokens: int, num_bytes: int) -> None:
         self.bytes += num_bytes
         now = time.monotonic()
-        if now - self.last >= 0.5:
+        if now - self.last >= (0.5 if self.terminal else LOG_FILE_INTERVAL_S):
             self.last = now
-            self._print(documents, tokens, end="\r")
+            # A terminal gets one line rewritten in place; a log file whole lines, now and then.
+            self._print(documents, tokens, end="\r" if self.terminal else "\n")
 
     def finish(self, documents: int, tokens: int) -> None:
         self._print(documents, tokens, end="\n")

@@ -1,10 +1,22 @@
-"""Loss curve PNG from metrics.jsonl."""
+"""Loss curve PNG from metrics.jsonl: training loss and, where logged, the held-out eval loss.
+Drawn at every checkpoint and at the end of a run; `kiln plot RUN_DIR` redraws it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.metrics.logger import read_metrics
+from kiln.config import JobConfig
+from kiln.metrics.logger import JSONL_NAME, read_metrics
+
+CURVE_NAME = "loss_curve.png"
+
+
+def redraw_loss_curve(cfg: JobConfig) -> Path | None:
+    """<run_dir>/loss_curve.png from the run's metrics.jsonl, if metrics.plot is on."""
+    run_dir = Path(cfg.metrics.run_dir)
+    if not cfg.metrics.plot:
+        return None
+    return plot_loss_curve(run_dir / JSONL_NAME, run_dir / CURVE_NAME)
 
 
 def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
@@ -32,8 +44,11 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
         linewidth=1.5,
         label="mean since the previous log",
     )
+    evals = [(r["step"], r["eval/loss"]) for r in records if r.get("eval/loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), marker="o", linewidth=1.2, label="eval loss (held out)")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.legend()
     name = Path(metrics_path).parent.name
     ax.set_title(f"{name}: mean loss {records[0]['loss_avg']:.3f} → {records[-1]['loss_avg']:.3f}")

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.config import JobConfig
-from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics
+from kiln.metrics.logger import JSONL_NAME, MetricsLogger, read_metrics, truncate_after
 from kiln.metrics.mfu import mfu, peak_flops
-from kiln.metrics.plot import plot_loss_curve
+from kiln.metrics.plot import redraw_loss_curve
 from kiln.model import flops_per_token
 
 if TYPE_CHECKING:
@@ -83,6 +83,11 @@ class StepLog:
     def close(self) -> None:
         self.logger.close()
 
+    def rolled_back_to(self, step: int) -> None:
+        """The run continues after `step` again: the records past it are dropped."""
+        if self.logger.path is not None:
+            truncate_after(self.logger.path, step)
+
     def add(self, loss: torch.Tensor, tokens: int) -> None:
         self.window.add(loss, tokens)
 
@@ -126,8 +131,7 @@ class StepLog:
 
 def run_summary(cfg: JobConfig, *, step: int, checkpoint: Path | None) -> str:
     """One line: the last step, how far the mean loss fell, the newest checkpoint, the plot."""
-    run_dir, plot = Path(cfg.metrics.run_dir), cfg.metrics.plot
-    history = read_metrics(run_dir / JSONL_NAME)
+    history = read_metrics(Path(cfg.metrics.run_dir) / JSONL_NAME)
     lines = [f"kiln: finished step {step}"]
     if history:
         first, last = history[0]["loss_avg"], history[-1]["loss_avg"]
@@ -137,9 +141,7 @@ def run_summary(cfg: JobConfig, *, step: int, checkpoint: Path | None) -> str:
         )
     if checkpoint is not None:
         lines.append(f"checkpoint {checkpoint}")
-    curve = None
-    if plot and history:
-        curve = plot_loss_curve(run_dir / JSONL_NAME, run_dir / "loss_curve.png")
+    curve = redraw_loss_curve(cfg) if history else None
     if curve is not None:
         lines.append(f"loss curve {curve}")
     return " | ".join(lines)

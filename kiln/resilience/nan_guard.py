@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kiln.config.sections import ResilienceConfig
+
 
 class NanGuard:
     def __init__(self, *, max_consecutive: int, action: str):
@@ -9,6 +11,10 @@ class NanGuard:
         self.action = action
         self.consecutive = 0
         self.skipped_total = 0
+
+    @classmethod
+    def from_config(cls, cfg: ResilienceConfig) -> NanGuard:
+        return cls(max_consecutive=cfg.nan_max_consecutive, action=cfg.nan_action)
 
     def update(self, *, finite: bool) -> str:
         """'ok' (take the step), 'skip', or the configured action ('stop' or 'rollback') once

@@ -18,7 +18,9 @@ from kiln.data.loader import BatchLoader
 from kiln.data.sources import ensure_local_data, open_data, training_tokenizer
 from kiln.errors import KilnError, first_line
 from kiln.metrics.backends import open_backends
-from kiln.metrics.logger import truncate_after, warn
+from kiln.metrics.layout_report import startup_summary
+from kiln.metrics.logger import warn
+from kiln.metrics.plot import redraw_loss_curve
 from kiln.metrics.profiler import StepProfiler
 from kiln.metrics.step_records import StepLog, run_summary
 from kiln.model import build_model, materialize
@@ -88,14 +90,16 @@ class Trainer:
             self.loader.check_order(start.train_state)
         state = self.checkpoints.restore(start, model=self.model_parts, optimizer=self.optimizers)
         if state is not None:
-            self._continue_from(state)
+            self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
+            self.loader.load_state_dict(state)
         optimizer_train_point(self.optimizers)  # a checkpoint holds Schedule-Free's eval point
-        self.nan_guard = NanGuard(
-            max_consecutive=cfg.resilience.nan_max_consecutive, action=cfg.resilience.nan_action
-        )
+        self.nan_guard = NanGuard.from_config(cfg.resilience)
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
             write_config(cfg, self.run_dir / "config.toml")
+            print(
+                startup_summary(cfg, self.parallel.world_size, start.path, start.step), flush=True
+            )
         self.time_limit = TimeLimit(cfg.train.time_limit_minutes, enabled=self.parallel.is_main)
         self.iteration_seconds: deque[float] = deque(maxlen=20)
 
@@ -169,11 +173,8 @@ class Trainer:
     def train_step(self, *, stop_requested: bool = False, time_up: bool = False) -> StepResult:
         """One optimizer step; skipped (no update) when any rank saw a non-finite loss or
         gradient norm. The flags of the result are agreed by all ranks."""
-        flags = {
-            "stop": stop_requested,
-            "time_up": time_up,
-            "save_pending": not self.checkpoints.written_locally(),
-        }
+        pending = not self.checkpoints.written_locally()
+        flags = {"stop": stop_requested, "time_up": time_up, "save_pending": pending}
         with record_function("data"):
             batch = self.loader.next_step()
         result = self.step_fn(batch, step=self.step + 1, flags=flags)
@@ -236,8 +237,7 @@ class Trainer:
             guard.reset()
             if self.parallel.is_main:
                 warn(f"rolled back from step {bad_step} to {state['path']}; the data continues")
-                if log.logger.path is not None:
-                    truncate_after(log.logger.path, self.step)
+            log.rolled_back_to(self.step)
         return action == "rollback"
 
     def _stop_early(self, result: StepResult, preemption: PreemptionFlag, records: list) -> list:
@@ -291,10 +291,8 @@ class Trainer:
                 },
                 tokenizer_path=training_tokenizer(self.cfg.data, self.sources),
             )
+        if self.parallel.is_main:  # a preempted run has its plot too
+            redraw_loss_curve(self.cfg)
 
     def fingerprint(self) -> dict:
         return run_fingerprint(self.cfg, global_batch=self.global_batch)
-
-    def _continue_from(self, state: dict) -> None:
-        self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
-        self.loader.load_state_dict(state)

@@ -93,7 +93,10 @@ def test_ctrl_c_saves_and_says_where_the_run_resumes(tmp_path, demo_data):
     (they leave the group), so the step in progress finishes and a checkpoint is written."""
     run = tmp_path / "run"
     logs = tmp_path / "log.txt"
-    args = kiln_args(run, demo_data, "--train.max_steps=400", "--train.batch_size=1")
+    # With its plot: a stopped run (no end-of-run summary) draws it at its checkpoint.
+    args = kiln_args(
+        run, demo_data, "--train.max_steps=400", "--train.batch_size=1", "--metrics.plot=true"
+    )
     with logs.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kiln", "train", *args],
@@ -110,6 +113,7 @@ def test_ctrl_c_saves_and_says_where_the_run_resumes(tmp_path, demo_data):
     assert 3 <= stopped < 400
     assert f"stopped by SIGINT after step {stopped}" in text
     assert f"resume from step {stopped}" in text and "Traceback" not in text
+    assert (run / "loss_curve.png").is_file()
 
 
 def test_async_final_save_finishing_first_on_one_rank_does_not_hang(tmp_path, demo_data):

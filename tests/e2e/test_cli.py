@@ -37,11 +37,64 @@ def kiln(*args, cwd, check=True, timeout=300):
         ["convert"],
         ["convert", "hf-to-kiln"],
         ["convert", "kiln-to-hf"],
+        ["plot"],
+        ["compare"],
     ],
 )
 def test_help(command, tmp_path):
     result = kiln(*command, "--help", cwd=tmp_path)
     assert "usage: kiln" in result.stdout
+    if command[:1] != ["convert"]:
+        assert "Guide: docs/" in result.stdout, result.stdout
+
+
+def test_help_shows_defaults_and_version_is_reported(tmp_path):
+    generate = kiln("generate", "--help", cwd=tmp_path).stdout
+    assert "(default: 64)" in generate and "(default: auto)" in generate
+    assert "(default: None)" not in generate
+    assert kiln("--version", cwd=tmp_path).stdout.startswith("kiln ")
+
+
+def write_run(run_dir, losses, *, tokens_per_step=512):
+    run_dir.mkdir(parents=True)
+    records = [
+        {"step": step, "loss": loss, "loss_avg": loss, "tokens_seen": step * tokens_per_step}
+        | ({"eval/loss": loss + 0.1} if step % 2 == 0 else {})
+        for step, loss in enumerate(losses, start=1)
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_compare_and_plot_read_run_dirs(tmp_path):
+    write_run(tmp_path / "adamw", [3.0, 2.5, 2.25, 2.0])
+    write_run(tmp_path / "muon", [3.0, 2.4, 2.0, 1.75], tokens_per_step=1024)
+    result = kiln("compare", "adamw", "muon", "--out", "both.png", cwd=tmp_path)
+    header, first, second = result.stdout.splitlines()[:3]
+    assert header.split() == [
+        "run",
+        "steps",
+        "tokens",
+        "final",
+        "loss",
+        "min",
+        "loss",
+        "vs",
+        "first",
+    ]
+    assert first.split() == ["adamw", "4", "2,048", "2", "2"]
+    assert second.split() == ["muon", "4", "4,096", "1.75", "1.75", "-0.25"]
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+    evals = kiln("compare", "adamw", "muon", "--metric", "eval/loss", cwd=tmp_path).stdout
+    assert "final eval/loss" in evals and (tmp_path / "compare.png").is_file()
+
+    missing = kiln("compare", "adamw", "--metric", "eval/perplexity", cwd=tmp_path, check=False)
+    assert missing.returncode == 2
+    assert "adamw logged no 'eval/perplexity'; its metrics are: eval/loss, loss" in missing.stderr
+
+    assert "loss curve" in kiln("plot", "muon", cwd=tmp_path).stdout
+    assert (tmp_path / "muon" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    empty = kiln("plot", ".", cwd=tmp_path, check=False)
+    assert empty.returncode == 2 and "is it a kiln run directory?" in empty.stderr
 
 
 def bad_toml(tmp_path):
@@ -147,18 +200,22 @@ def test_bad_input_gives_one_clear_error(case, tmp_path, demo_data):
 
 
 def test_train_then_generate(demo_data, tmp_path):
-    kiln(
+    trained = kiln(
         "train",
         DEBUG_CONFIG,
         f"--data.path={demo_data}",
         "--train.max_steps=6",
         "--metrics.run_dir=run",
         cwd=tmp_path,
-    )
+    ).stdout
+    # The start-up summary, before the first step.
+    summary = trained[: trained.index("step 1/6")]
+    assert "kiln: model debug: 2 layers" in summary and "kiln: parameters: 1,442,432" in summary
+    assert "kiln: run dir run; starts from scratch; 6 steps" in summary
     assert (tmp_path / "run" / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
     out = kiln(
         "generate",
-        "run/checkpoints",
+        "run",  # the run directory: its newest checkpoint
         "--prompt",
         "def main(",
         "--max-new-tokens",
