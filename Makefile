@@ -18,9 +18,8 @@ demo: install
 	$(BIN)/kiln train configs/train/demo.toml
 	$(BIN)/kiln generate runs/demo/checkpoints --prompt "def read_config(path):" --max-new-tokens 80 --temperature 0.7 --top-k 40
 
-# Two workers: the gang-based parity tests in one, everything else in the other (tests/conftest.py).
 test: install lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 lint: install
 	$(BIN)/ruff check .
