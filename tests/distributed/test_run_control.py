@@ -1,12 +1,15 @@
 """Where a run stops and how it goes on (DESIGN §3, §7): train.stop_at_step, train.time_limit_minutes,
 Ctrl-C, and the end of a run whose last checkpoint is still being written in the background.
-Real `kiln train` processes; resumed losses are compared bit for bit with a run that never stopped.
+`kiln train` as the command line runs it, on a gang's process (workers.py) where only kiln's own
+decisions are under test, in processes of their own where signals are; resumed losses are
+compared bit for bit with a run that never stopped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +26,7 @@ from tests.distributed.launch import (
     wait_all,
     wait_for_step,
 )
+from tests.distributed.workers import JobFailed, kiln_train
 
 STEPS = 12
 # A cosine schedule over 12 steps: a resumed run that reshaped it would differ from step 7 on.
@@ -30,22 +34,32 @@ COSINE = [f"--train.max_steps={STEPS}", "--scheduler.name=cosine", "--scheduler.
 COMMON = [*COSINE, "--train.batch_size=2", "--data.num_workers=0"]
 
 
-def _train(run_dir: Path, demo_data: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kiln", "train", *kiln_args(run_dir, demo_data, *overrides)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env(),
-    )
+class Finished:
+    def __init__(self, code: int, output: str):
+        self.returncode, self.output = code, output
+
+
+@pytest.fixture
+def kiln_run(gangs, demo_data):
+    """kiln_run(run_dir, *overrides): `kiln train` on a one-process gang; its exit code and
+    output (stdout and stderr)."""
+
+    def run(run_dir: Path, *overrides: str) -> Finished:
+        try:
+            (output,) = gangs.run(1, kiln_train, kiln_args(run_dir, demo_data, *overrides))
+        except JobFailed as failed:
+            code = int(re.search(r"exited with code (\d+)", failed.errors[0]).group(1))
+            return Finished(code, failed.outputs[0])
+        return Finished(0, output)
+
+    return run
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, demo_data) -> dict[int, float]:
+def uninterrupted(gangs, tmp_path_factory, demo_data) -> dict[int, float]:
     """The per-step losses of the run that never stops, which every stopped run must reproduce."""
     run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    result = _train(run_dir, demo_data, *COMMON)
-    assert result.returncode == 0, result.stderr
+    gangs.run(1, kiln_train, kiln_args(run_dir, demo_data, *COMMON))
     return losses(run_dir)
 
 
@@ -54,37 +68,36 @@ def _latest(run_dir: Path) -> str:
 
 
 def test_stop_at_step_ends_with_a_checkpoint_and_the_same_command_continues_bitwise(
-    tmp_path, demo_data, uninterrupted
+    tmp_path, kiln_run, uninterrupted
 ):
-
     run = tmp_path / "run"
-    first = _train(run, demo_data, *COMMON, "--train.stop_at_step=6")
-    assert first.returncode == 0, first.stderr
-    assert "stopped after step 6 of 12 (train.stop_at_step)" in first.stderr
+    first = kiln_run(run, *COMMON, "--train.stop_at_step=6")
+    assert first.returncode == 0, first.output
+    assert "stopped after step 6 of 12 (train.stop_at_step)" in first.output
     assert _latest(run) == "step_00000006"
-    rest = _train(run, demo_data, *COMMON)
-    assert rest.returncode == 0, rest.stderr
-    assert "resumed from" in rest.stdout and "(step 6)" in rest.stdout
+    rest = kiln_run(run, *COMMON)
+    assert rest.returncode == 0, rest.output
+    assert "resumed from" in rest.output and "(step 6)" in rest.output
     assert losses(run) == uninterrupted  # every step, bit for bit
 
-    again = _train(run, demo_data, *COMMON, "--train.stop_at_step=3")
+    again = kiln_run(run, *COMMON, "--train.stop_at_step=3")
     assert again.returncode == 2
-    assert "train.stop_at_step = 3 but this run resumes at step 10" in again.stderr
+    assert "train.stop_at_step = 3 but this run resumes at step 10" in again.output
 
 
 def test_a_time_limit_stops_with_a_checkpoint_and_the_run_continues_bitwise(
-    tmp_path, demo_data, uninterrupted
+    tmp_path, kiln_run, uninterrupted
 ):
     """A limit already spent at the first check (0.001 min, less than start-up takes) makes the
     stop step deterministic: the first step runs, then the job saves and exits 0."""
 
     run = tmp_path / "run"
-    limited = _train(run, demo_data, *COMMON, "--train.time_limit_minutes=0.001")
-    assert limited.returncode == 0, limited.stderr
-    assert "stopped after step 1 of 12 (train.time_limit_minutes)" in limited.stderr
+    limited = kiln_run(run, *COMMON, "--train.time_limit_minutes=0.001")
+    assert limited.returncode == 0, limited.output
+    assert "stopped after step 1 of 12 (train.time_limit_minutes)" in limited.output
     assert _latest(run) == "step_00000001"
-    rest = _train(run, demo_data, *COMMON)
-    assert rest.returncode == 0, rest.stderr
+    rest = kiln_run(run, *COMMON)
+    assert rest.returncode == 0, rest.output
     assert losses(run) == uninterrupted
 
 

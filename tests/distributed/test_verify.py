@@ -4,8 +4,8 @@ import os
 import subprocess
 import sys
 
-from kiln.config import load_config
-from kiln.parallel.verify import proxy_config
+from kiln.config import load_config, resolve_layout
+from kiln.parallel.verify import proxy_config, single_process_twin
 from tests.conftest import DEBUG_CONFIG, REPO
 
 
@@ -70,21 +70,30 @@ def test_fsdp_before_tp_is_caught(demo_data, tmp_path):
     assert "the layout run failed" in result.stderr
 
 
-def test_verify_passes_tp_with_fsdp(demo_data, tmp_path):
-    result = verify(demo_data, tmp_path, "--world-size", "4", "--distributed.tp=2")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "PASS" in result.stdout and "dp_shard=2" in result.stdout and "tp=2" in result.stdout
-
-
-def test_verify_passes_a_zero_bubble_pipeline(demo_data, tmp_path):
-    pipeline = [
+def test_the_proxies_of_tp_and_zero_bubble_layouts_keep_their_structure(tmp_path):
+    """What `kiln verify` runs for tensor parallel with FSDP and for a zero-bubble pipeline (the
+    layouts themselves are proven against one process in test_parity.py and test_pipeline.py;
+    the proxy's run and report are exercised end to end by the cases here that start
+    torchrun): the layout's degrees, one micro-batch per stage, two blocks per virtual stage."""
+    cfg = load_config(DEBUG_CONFIG, ["--distributed.tp=2"])
+    tp = proxy_config(cfg, 4, steps=4, run_dir=tmp_path, data_path="demo")
+    assert (tp.distributed.tp, resolve_layout(tp.distributed, 4)["dp_shard"]) == (2, 2)
+    assert tp.model.dim % tp.distributed.tp == 0 and tp.train.mixed_precision == "fp32"
+    zbv = [
         "--distributed.pp=2",
         "--distributed.pp_schedule=zbv",
         "--distributed.pp_virtual_stages=2",
     ]
-    result = verify(demo_data, tmp_path, "--world-size", "4", "--model.n_layers=8", *pipeline)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "PASS" in result.stdout and "pp=2" in result.stdout and "8 layers" in result.stdout
+    pipelined = proxy_config(
+        load_config(DEBUG_CONFIG, [*zbv, "--model.n_layers=8"]),
+        4,
+        steps=4,
+        run_dir=tmp_path,
+        data_path="demo",
+    )
+    assert pipelined.model.n_layers == 8 and pipelined.train.batch_size == 2
+    twin = single_process_twin(pipelined, 4)
+    assert twin.train.batch_size == 4 and twin.distributed.pp == 1
 
 
 def test_pipeline_gradients_scaled_twice_are_caught(demo_data, tmp_path):

@@ -10,8 +10,10 @@ the job, as `kiln train` does under torchrun. Environment switches (KILN_TEST_*)
 job only and every job gets its own output file per rank.
 
 A job that fails on any rank (an exception, a non-zero exit, a dead process) or runs past its
-time limit is reported with every rank's traceback and output, and the gang is killed: a rank
-left waiting in a collective must not hang the next job. The next job starts a fresh gang."""
+time limit is reported with every rank's traceback and output. When every rank answered (each
+one's call returned or raised, none died or hung), each has left the job's process group and the
+gang runs the next job; otherwise it is killed, since a rank left waiting in a collective must not
+hang the next job, and the next job starts a fresh gang."""
 
 from __future__ import annotations
 
@@ -31,6 +33,15 @@ JOB_TIMEOUT_S = 300
 GRACE_S = 10
 # Handlers a job may install (the Trainer's preemption flag): put back after every job.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+NO_ANSWER = "no answer in time (hung, or waiting for a rank that failed)"
+DIED = "the process died"
+
+
+def rank_answered(error: str) -> bool:
+    """The rank's call ended with this error (it did not die or hang)."""
+    return error != NO_ANSWER and not error.startswith(DIED)
 
 
 class JobFailed(AssertionError):
@@ -74,7 +85,8 @@ class Gang:
         errors = self._collect(timeout)
         outputs = [log.read_text() if log.exists() else "" for log in logs]
         if errors:
-            self.close()
+            if not (self.alive and all(rank_answered(e) for e in errors.values())):
+                self.close()
             raise JobFailed(errors, outputs)
         return outputs
 
@@ -93,13 +105,13 @@ class Gang:
                     error = conn.recv()
                 except (EOFError, OSError):
                     self.procs[rank].join(5)
-                    error = f"the process died (exit code {self.procs[rank].exitcode})"
+                    error = f"{DIED} (exit code {self.procs[rank].exitcode})"
                 if error is not None and not errors:
                     deadline = min(deadline, time.monotonic() + GRACE_S)
                 if error is not None:
                     errors[rank] = error
         for rank in pending.values():
-            errors[rank] = "no answer in time (hung, or waiting for a rank that failed)"
+            errors[rank] = NO_ANSWER
         return errors
 
     def close(self) -> None:
@@ -179,12 +191,20 @@ def _run(function, args: tuple, env: dict, log: str) -> str | None:
     except BaseException:  # SystemExit too: argparse exits on a bad argument
         return traceback.format_exc()
     finally:
+        _leave_process_group()
         os.environ.clear()
         os.environ.update(saved_env)
         for sig, handler in saved_handlers.items():
             signal.signal(sig, handler)
         _forget_compiled_code()
     return None
+
+
+def _leave_process_group() -> None:
+    """A job that failed half-way leaves its process group up; the next job sets up its own."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _forget_compiled_code() -> None:
