@@ -18,6 +18,7 @@ hang the next job, and the next job starts a fresh gang."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
@@ -201,10 +202,15 @@ def _run(function, args: tuple, env: dict, log: str) -> str | None:
 
 
 def _leave_process_group() -> None:
-    """A job that failed half-way leaves its process group up; the next job sets up its own."""
+    """A job that failed half-way leaves its process group up; the next job sets up its own.
+    Then the job's groups are freed: each gloo group keeps worker threads until its last
+    reference goes, and the meshes hold theirs in reference cycles that only the garbage
+    collector breaks. Left to pile up, a long-lived worker held hundreds of threads after a few
+    dozen jobs, and the suite's collectives slowed down with every job."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def _forget_compiled_code() -> None:
