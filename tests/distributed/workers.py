@@ -30,6 +30,10 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 JOB_TIMEOUT_S = 300
+# A worker with more threads than this is replaced before its next job: the gloo groups of
+# earlier jobs that outlive them (their meshes referenced from DTensor specs) keep a TCP loop
+# thread each, and those spin once their peers have gone (benchmarks/test_suite.md).
+MAX_THREADS = 120
 # After one rank fails, the others get this long to report their own error before the kill.
 GRACE_S = 10
 # Handlers a job may install (the Trainer's preemption flag): put back after every job.
@@ -71,6 +75,12 @@ class Gang:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+
+    def threads(self) -> int:
+        """Threads of the first rank's process (gloo keeps 3 per process group it has seen)."""
+        status = Path(f"/proc/{self.procs[0].pid}/status")
+        lines = status.read_text().splitlines() if status.exists() else []
+        return next((int(line.split()[1]) for line in lines if line.startswith("Threads:")), 0)
 
     @property
     def alive(self) -> bool:
@@ -137,6 +147,8 @@ class Gangs:
 
     def run(self, world_size: int, function, *args, env: dict | None = None) -> list[str]:
         gang = self.gangs.get(world_size)
+        if gang is not None and gang.alive and gang.threads() > MAX_THREADS:
+            gang.close()  # gloo threads of earlier jobs' groups pile up and spin: start afresh
         if gang is None or not gang.alive:
             self.started += 1
             gang = Gang(world_size, self.log_dir / f"gang_{self.started}_of_{world_size}")
