@@ -1,0 +1,119 @@
+"""`kiln generate` and `kiln convert`: using and exporting a trained checkpoint."""
+
+from __future__ import annotations
+
+from kiln.cli.common import docs
+from kiln.errors import KilnError
+
+
+def add_parsers(subcommand) -> None:
+    generate = subcommand(
+        "generate",
+        help="continue a prompt with a trained checkpoint",
+        epilog=docs("quickstart.md"),
+    )
+    generate.add_argument(
+        "checkpoint",
+        help="a run directory or a checkpoint directory (their newest step), or a "
+        "step_XXXXXXXX folder",
+    )
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens to generate after the prompt"
+    )
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)"
+    )
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    generate.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run the model"
+    )
+    generate.set_defaults(run=cmd_generate)
+
+    convert = subcommand(
+        "convert",
+        help="convert between Hugging Face (Llama, Mixtral, Qwen3-MoE) and kiln checkpoints",
+    )
+    direction = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    hf_to_kiln = direction.add_parser(
+        "hf-to-kiln", help="HF safetensors + config.json -> kiln checkpoint"
+    )
+    hf_to_kiln.add_argument("source", help="Hugging Face model directory")
+    hf_to_kiln.add_argument("output", help="new kiln checkpoint directory")
+    kiln_to_hf = direction.add_parser(
+        "kiln-to-hf",
+        help="kiln checkpoint -> HF directory (Llama; MoE: Qwen3-MoE with qk_norm, else Mixtral)",
+    )
+    kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
+    kiln_to_hf.add_argument("output", help="new Hugging Face model directory")
+    kiln_to_hf.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the exported weights (default: the checkpoint's checkpoint.export_dtype, "
+        "float32 if it has none)",
+    )
+    kiln_to_hf.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file, in bytes or with a unit: 5GB (default), 500MB, 2GiB; "
+        "a bigger model is split into model-0000i-of-0000N.safetensors plus an index",
+    )
+    convert.set_defaults(run=cmd_convert)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from kiln.checkpoint import (
+        find_tokenizer,
+        load_checkpoint,
+        read_model_config,
+        resolve_checkpoint,
+    )
+    from kiln.data.tokenizer import find_eos_id, load_tokenizer
+    from kiln.model import build_model, materialize
+    from kiln.model.generate import generate
+    from kiln.parallel.device import pick_device
+
+    path = resolve_checkpoint(args.checkpoint)
+    tokenizer_path = find_tokenizer(path)
+    if tokenizer_path is None:
+        raise KilnError(
+            f"no tokenizer.json in {path} or its parent: copy the tokenizer the model was trained with there"
+        )
+    tokenizer = load_tokenizer(tokenizer_path)
+    device = pick_device(args.device)
+    model = materialize(build_model(read_model_config(path)), device=device, seed=None)
+    load_checkpoint(path, model=model)
+    model.eval()
+    prompt_ids = tokenizer.encode(args.prompt).ids
+    eos = find_eos_id(tokenizer)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        new = generate(
+            model,
+            prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_id=eos,
+            seed=args.seed,
+        )
+    print(args.prompt + tokenizer.decode(new))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf
+
+    if args.direction == "hf-to-kiln":
+        out = hf_to_kiln(args.source, args.output)
+    else:
+        out = kiln_to_hf(
+            args.source, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size
+        )
+    print(f"wrote {out}")
+    return 0

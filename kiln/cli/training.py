@@ -1,0 +1,109 @@
+"""`kiln train`, `kiln check` and `kiln verify`: the commands that take a recipe."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from kiln.cli.common import OVERRIDE_HELP, docs
+
+
+def add_parsers(subcommand) -> None:
+    train = subcommand(
+        "train",
+        help="train a model from a TOML recipe",
+        epilog=f"{OVERRIDE_HELP}. {docs('configuration.md')}",
+    )
+    train.add_argument("config", help="path to a TOML recipe, e.g. configs/train/debug.toml")
+    train.set_defaults(run=cmd_train, accepts_overrides=True)
+
+    check = subcommand(
+        "check",
+        help="validate a recipe and print the resolved config, layout, size",
+        epilog=f"{OVERRIDE_HELP}. {docs('parallelism.md')}",
+    )
+    check.add_argument("config", help="path to a TOML recipe")
+    check.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="number of processes to validate the layout against",
+    )
+    check.add_argument(
+        "--config-only",
+        action="store_true",
+        help="validate the recipe and the layout only; skip the start-up checks of data and "
+        "checkpoints (to size a layout before its data exists)",
+    )
+    check.set_defaults(run=cmd_check, accepts_overrides=True)
+
+    verify = subcommand(
+        "verify",
+        help="prove a layout matches one process, step by step, on a small proxy of the model",
+        epilog=f"{OVERRIDE_HELP}. {docs('parallelism.md')}",
+    )
+    verify.add_argument("config", help="path to a TOML recipe")
+    verify.add_argument(
+        "--world-size",
+        type=int,
+        help="processes for the layout (default: the layout's product, with dp_shard = -1 as 2)",
+    )
+    verify.add_argument("--steps", type=int, default=5, help="training steps to compare")
+    verify.add_argument(
+        "--data", default="data/demo", help="built-in corpus location (built if missing)"
+    )
+    verify.set_defaults(run=cmd_verify, accepts_overrides=True)
+
+
+def cmd_train(args) -> int:
+    from kiln.config import load_config
+
+    # The config is checked before torch is imported: a mistake in it is reported at once,
+    # not after the seconds that importing the training stack takes.
+    cfg = load_config(
+        args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    import torch.distributed as dist
+
+    from kiln.resilience.preemption import Preempted
+    from kiln.train.trainer import Trainer
+
+    try:
+        Trainer(cfg).train()
+    except Preempted as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"kiln train: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    # Only a clean end tears the group down: after a failure a peer may be gone, and waiting
+    # for it would turn an error into a hang.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def cmd_check(args) -> int:
+    from kiln.config import load_config, to_toml
+
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    # As in `kiln train`: a config mistake is reported before torch is imported.
+    from kiln.metrics.layout_report import layout_report
+    from kiln.train.preflight import preflight
+
+    print(to_toml(cfg))
+    for line in layout_report(cfg, args.world_size):
+        print(f"# {line}")
+    if not args.config_only:
+        for note in preflight(cfg, args.world_size):
+            print(f"# {note}")
+    print("# config OK")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from kiln.config import load_config, validate
+    from kiln.parallel.verify import default_world_size, verify
+
+    cfg = load_config(args.config, args.overrides)
+    world_size = args.world_size or default_world_size(cfg.distributed)
+    validate(cfg, world_size)
+    return 0 if verify(cfg, world_size, steps=args.steps, data_path=args.data) else 1
