@@ -167,7 +167,7 @@ def run(cp: int, seq: int, steps: int) -> list[dict]:
 
 def report(results: dict[int, list[dict]], seq: int) -> None:
     from kiln.config import config_from_dict
-    from kiln.metrics.memory import gathered_kv_bytes
+    from kiln.plan.activations import gathered_kv_bytes
 
     mib, base = 2**20, results[1][0]
     cfg = config_from_dict({}, [f"--train.seq_len={seq}", "--train.batch_size=1"])

@@ -8,7 +8,7 @@ import sys
 import time
 from functools import partial
 
-from kiln.cli import checkpoints, prepare, run_views, training
+from kiln.cli import checkpoints, evaluation, plan, prepare, run_views, training
 from kiln.cli.common import HelpFormatter, docs, parse_overrides
 from kiln.errors import ConfigError, KilnError, RelayedError
 
@@ -67,6 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     subcommand = partial(sub.add_parser, formatter_class=HelpFormatter)
 
-    for commands in (training, prepare, checkpoints, run_views):
+    for commands in (training, prepare, checkpoints, evaluation, run_views, plan):
         commands.add_parsers(subcommand)
     return parser

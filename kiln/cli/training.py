@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 from kiln.cli.common import OVERRIDE_HELP, docs
+from kiln.cli.plan import add_gpu_arguments
 
 
 def add_parsers(subcommand) -> None:
@@ -35,6 +37,13 @@ def add_parsers(subcommand) -> None:
         help="validate the recipe and the layout only; skip the start-up checks of data and "
         "checkpoints (to size a layout before its data exists)",
     )
+    check.add_argument(
+        "--json",
+        action="store_true",
+        help="print the layout and the planner's estimates (memory_gb, tokens_per_sec, mfu) as "
+        "JSON instead of the config",
+    )
+    add_gpu_arguments(check, required=False)
     check.set_defaults(run=cmd_check, accepts_overrides=True)
 
     verify = subcommand(
@@ -82,16 +91,30 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from kiln.config import load_config, to_toml
+    from kiln.config import load_config, resolve_layout, to_toml
 
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    cluster = None
+    if args.gpu:
+        from kiln.cli.plan import cluster_from_args
+
+        cluster = cluster_from_args(args, args.world_size)
     # As in `kiln train`: a config mistake is reported before torch is imported.
     from kiln.metrics.layout_report import layout_report
+    from kiln.plan.report import check_estimate, check_lines
     from kiln.train.preflight import preflight
 
+    estimate = check_estimate(cfg, resolve_layout(cfg.distributed, args.world_size), cluster)
+    if args.json:
+        notes = [] if args.config_only else preflight(cfg, args.world_size)
+        print(json.dumps({"config_ok": True, **estimate, "notes": notes}, indent=2))
+        return 0
     print(to_toml(cfg))
     for line in layout_report(cfg, args.world_size):
         print(f"# {line}")
+    if cluster is not None:
+        for line in check_lines(estimate, cluster):
+            print(f"# {line}")
     if not args.config_only:
         for note in preflight(cfg, args.world_size):
             print(f"# {note}")

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout
 from kiln.metrics.layout_summary import context_parallel_summary, float8_summary
-from kiln.metrics.memory import estimate_memory, expert_shards
 from kiln.model import count_params, flops_per_token
 from kiln.parallel.pipeline_split import pipeline_summary
+from kiln.plan.memory import estimate_memory
+from kiln.plan.model_state import expert_shards
 
 
 def startup_summary(
@@ -63,7 +64,9 @@ def layout_report(cfg: JobConfig, world_size: int) -> list[str]:
         f"{_size(memory.model_state)} (fp32 weights, grads, "
         f"{OPTIMIZER_STATE[cfg.optimizer.name]}{experts[0]}) + activations "
         f"{_size(memory.activations)} ({experts[1]}activation_checkpointing = "
-        f"{cfg.train.activation_checkpointing!r})"
+        f"{cfg.train.activation_checkpointing!r}) + logits {_size(memory.logits)} + gathered "
+        f"weights {_size(memory.gathered)}"
+        + (f" + all-to-all buffers {_size(memory.dispatch)}" if memory.dispatch else "")
     )
     note = _expert_padding_note(cfg.model, layout) if cfg.model.num_experts > 0 else None
     if note:
@@ -83,7 +86,7 @@ def _size(num_bytes: float) -> str:
 
 
 # What the memory estimate's model state holds besides weights and gradients, per optimizer
-# (kiln/metrics/memory.py): 8 bytes per parameter of AdamW moments or Schedule-Free z and v, 4 of
+# (kiln/plan/model_state.py): 8 bytes per parameter of AdamW moments or Schedule-Free z and v, 4 of
 # Lion's momentum, Muon's momentum (4) for its matrices and AdamW's moments for the rest.
 OPTIMIZER_STATE = {
     "adamw": "AdamW",

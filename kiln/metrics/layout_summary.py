@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import Counter
 
 from kiln.config.sections import JobConfig
-from kiln.metrics.memory import gathered_kv_bytes
 from kiln.model import build_model
 from kiln.parallel.float8 import float8_layer_plan
+from kiln.plan.activations import gathered_kv_bytes
 
 
 def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:

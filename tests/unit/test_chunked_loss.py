@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from kiln.checkpoint.fingerprint import run_fingerprint
 from kiln.config import load_config
 from kiln.config.validate import collect_problems
-from kiln.metrics.memory import estimate_memory
+from kiln.plan.activations import LOGIT_BYTES
+from kiln.plan.memory import estimate_memory
 from kiln.tokens import IGNORE_INDEX
 from kiln.train.loss import chunked_token_loss_sum, token_loss_sum
 from tests.conftest import DEBUG_CONFIG
@@ -142,11 +143,11 @@ def test_switching_to_the_chunked_loss_resumes_the_same_run():
 
 
 def test_memory_estimate_counts_one_chunk_of_logits():
-    """`kiln check`: the fp32 logits and their gradient of one chunk, not of all tokens."""
+    """`kiln check`: the fp32 logits and their gradients of one chunk, not of all tokens."""
     degrees = {"pp": 1, "tp": 1, "cp": 1, "ep": 1, "dp_shard": 1, "dp_replicate": 1}
     plain_cfg = load_config(DEBUG_CONFIG, [])  # 4 x 128 tokens per micro-batch
     chunked_cfg = load_config(
         DEBUG_CONFIG, ["--train.loss=chunked_cross_entropy", "--train.loss_chunk_tokens=64"]
     )
     saved = estimate_memory(plain_cfg, degrees).total - estimate_memory(chunked_cfg, degrees).total
-    assert saved == 2 * 4 * (512 - 64) * plain_cfg.model.vocab_size
+    assert saved == LOGIT_BYTES * (512 - 64) * plain_cfg.model.vocab_size

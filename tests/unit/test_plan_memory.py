@@ -1,6 +1,8 @@
-"""kiln check's memory estimate: checkpointing, sharding, each optimizer's state, and MoE (every
-expert's weights, the top-k experts' activations, expert parallel's split of the experts, FSDP's
-split of each expert's rows and its whole-expert chunks where the rows do not divide)."""
+"""The planner's memory terms (kiln/plan/), each on a hand-computed case: checkpointing, sharding,
+each optimizer's state, logits, FSDP's gathered units, and MoE (every expert's weights, the top-k
+experts' activations, expert parallel's split of the experts, FSDP's split of each expert's rows
+and its whole-expert chunks where the rows do not divide). The activation terms are held to what
+kiln's blocks save, measured with saved-tensor hooks."""
 
 import pytest
 import torch
@@ -9,22 +11,39 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from kiln.cli import main
 from kiln.config import JobConfig, ModelConfig
 from kiln.config.sections import OptimizerConfig
-from kiln.metrics.memory import (
-    ExpertShards,
-    estimate_memory,
-    expert_shards,
-    expert_weight_dims,
-    gathered_kv_bytes,
-    layer_bytes_per_token,
-    model_state_bytes,
-    moe_ffn_bytes_per_token,
-    muon_matrix_params,
-    routed_expert_params,
-)
 from kiln.model import build_model, count_params
 from kiln.model.moe import MoEFeedForward
 from kiln.model.moe.experts import GroupedExperts
+from kiln.model.rope import model_rope_tables
+from kiln.model.transformer import Block
 from kiln.parallel.fsdp import _within_experts
+from kiln.plan.activations import (
+    LOGIT_BYTES,
+    Implementation,
+    activation_bytes,
+    backward_transient_bytes_per_token,
+    gathered_kv_bytes,
+    layer_bytes_per_token,
+    logit_bytes,
+    moe_ffn_bytes_per_token,
+)
+from kiln.plan.memory import (
+    ALLOCATOR_OVERHEAD,
+    CONTEXT_BYTES,
+    estimate_memory,
+    fits,
+    gathered_unit_bytes,
+    largest_unit_params,
+    root_unit_params,
+)
+from kiln.plan.model_state import (
+    ExpertShards,
+    expert_shards,
+    expert_weight_dims,
+    model_state_bytes,
+    muon_matrix_params,
+    routed_expert_params,
+)
 from kiln.train.muon import Muon
 from kiln.train.optimizer import build_optimizer
 from tests.conftest import REPO
@@ -43,29 +62,93 @@ def job(ac: str) -> JobConfig:
     return cfg
 
 
+# Per token, dim 512, hidden 1024, 8 heads of 64, 8 kv heads (kv_dim 512), bf16: attention keeps
+# its norm's input (1024 + rstd 4), the normalized input (1024), q (1024), k and v (1024 each),
+# its output (1024) and a log-sum-exp per head (32); the feed-forward its norm's input (1028),
+# the normalized input (1024) and four hidden rows (4 × 2048).
+LAYER = 1028 + 1024 + 1024 + 2048 + 1024 + 32 + 1028 + 1024 + 8192
+# The backward's gradients: three hidden rows and the normalized input's.
+TRANSIENT = 3 * 2048 + 1024
+
+
+def test_layer_bytes_are_counted_term_by_term():
+    cfg = job("none")
+    assert layer_bytes_per_token(cfg.model, moe=False) == LAYER == 16424
+    assert backward_transient_bytes_per_token(cfg.model) == TRANSIENT
+    # tp=4 with sequence parallel: all but the two gathered normalized inputs split; without
+    # sequence parallel the norms' inputs stay whole too.
+    gathered = 2 * 1024
+    assert layer_bytes_per_token(cfg.model, moe=False, tp=4) == (LAYER - gathered) / 4 + gathered
+    norms = 2 * 1028
+    no_sp = layer_bytes_per_token(cfg.model, moe=False, tp=4, sp=False)
+    assert no_sp == (LAYER - gathered - norms) / 4 + gathered + norms
+
+
 def test_activation_checkpointing_trades_memory_in_order():
-    none, selective, full = (
-        estimate_memory(job(ac), ONE).activations for ac in ("none", "selective", "full")
-    )
-    assert full < selective < none
-    tokens, dim = 2048, 512
-    logits = 8 * tokens * 1000
-    assert none == 8 * 34 * tokens * dim + logits
-    assert full == 8 * 2 * tokens * dim + 34 * tokens * dim + logits
+    none, selective, full = (activation_bytes(job(ac), ONE) for ac in ("none", "selective", "full"))
+    assert full.total < selective.total < none.total
+    tokens = 2048
+    assert none.kept == 8 * LAYER * tokens and none.recompute == TRANSIENT * tokens
+    # full: every block keeps its bf16 input; one is recomputed with its backward's gradients.
+    assert full.kept == 8 * 2 * 512 * tokens
+    assert full.recompute == (LAYER + TRANSIENT) * tokens
+    # selective: blocks 0, 2, 4, 6 checkpointed, the other four whole.
+    assert selective.kept == (4 * 2 * 512 + 4 * LAYER) * tokens
+    assert estimate_memory(job("full"), ONE).activations == full.total
+
+
+def test_logits_are_fp32_with_their_gradients_split_by_vocabulary_under_loss_parallel():
+    cfg = job("none")
+    assert LOGIT_BYTES == 12  # log-probs kept (4), their gradient (4), the logits' gradient (4)
+    assert logit_bytes(cfg, ONE) == 12 * 2048 * 1000
+    tp4 = {**ONE, "tp": 4}
+    assert logit_bytes(cfg, tp4) == 12 * 2048 * 250  # every token, a quarter of the vocabulary
+    gathered = Implementation(loss_parallel=False)
+    assert logit_bytes(cfg, tp4, gathered) == 12 * 2048 * 1000
+    cfg.train.loss, cfg.train.loss_chunk_tokens = "chunked_cross_entropy", 256
+    assert logit_bytes(cfg, tp4) == 12 * 256 * 250
 
 
 def test_context_parallel_divides_the_tokens_but_keeps_the_whole_keys_and_values():
     """cp=4: each rank's layers hold a quarter of the tokens, plus the three quarters of every
     layer's keys and values (2 × 1024 tokens × 8 heads × 64, bf16, twice) it gathered."""
     cp4 = {**ONE, "cp": 4}
-    none, full = (estimate_memory(job(ac), cp4).activations for ac in ("none", "full"))
-    tokens, dim, logits = 2048 / 4, 512, 8 * 2048 / 4 * 1000
+    none, full = (activation_bytes(job(ac), cp4) for ac in ("none", "full"))
+    tokens = 2048 / 4
     gathered = 2 * 2 * 2 * 1024 * 8 * 64
     assert gathered_kv_bytes(job("none"), cp4) == gathered
-    assert none == 8 * (34 * tokens * dim + gathered * 3 / 4) + logits
+    assert none.kept == 8 * (LAYER * tokens + gathered * 3 / 4)
     # Checkpointed layers keep only their input; the one being recomputed holds its gather.
-    assert full == 8 * 2 * tokens * dim + 34 * tokens * dim + gathered * 3 / 4 + logits
+    assert full.kept == 8 * 2 * 512 * tokens
+    assert full.recompute == (LAYER + TRANSIENT) * tokens + gathered * 3 / 4
     assert gathered_kv_bytes(job("none"), ONE) == 0
+
+
+def test_fsdp_holds_the_largest_unit_in_flight_and_the_root_unit_for_the_step():
+    cfg = job("full")
+    m = cfg.model
+    # Attention: wq, wo 512 × 512 and wk, wv 512 × 512 (8 kv heads); the feed-forward 3 × 512 ×
+    # 1024, the larger. The root: embeddings and head, 1000 × 512 each.
+    assert largest_unit_params(m, ONE) == 3 * 512 * 1024
+    assert root_unit_params(m, ONE) == 2 * 1000 * 512
+    fsdp = {**ONE, "dp_shard": 4, "tp": 2}
+    assert largest_unit_params(m, fsdp) == 3 * 512 * 1024 / 2
+    expected = 10 * 3 * 512 * 1024 / 2 + 2 * 2 * 1000 * 512 / 2 + 2 * 1000 * 512 / 2
+    assert gathered_unit_bytes(cfg, fsdp) == expected
+    # A pipeline's last stage holds the head only.
+    assert root_unit_params(m, {**fsdp, "pp": 2}) == 1000 * 512 / 2
+    # Without FSDP, autocast's bf16 copy of every weight one rank holds.
+    assert gathered_unit_bytes(cfg, ONE) == 2 * count_params(m).total
+    cfg.train.mixed_precision = "fp32"
+    assert gathered_unit_bytes(cfg, ONE) == 0
+
+
+def test_fit_adds_the_allocator_overhead_and_the_cuda_context():
+    estimate = estimate_memory(job("full"), ONE)
+    room = estimate.total * (1 + ALLOCATOR_OVERHEAD) + CONTEXT_BYTES
+    assert estimate.reserved == pytest.approx(estimate.total * (1 + ALLOCATOR_OVERHEAD))
+    assert fits(estimate, room + 1) and not fits(estimate, room - 1e6)
+    assert estimate.total == pytest.approx(sum(estimate.terms().values()))
 
 
 def test_model_state_is_sharded_over_every_parameter_splitting_dim():
@@ -316,17 +399,24 @@ def test_moe_activations_grow_with_top_k_not_with_the_number_of_experts():
 def test_moe_blocks_after_dense_ones_and_checkpointing():
     first_dense = moe_job("none", moe_first_dense_layers=2)
     dense_layer, moe_layer = (layer_bytes_per_token(first_dense.model, moe=m) for m in (0, 1))
-    tokens, logits = 2048, 8 * 2048 * 1000
-    none = estimate_memory(first_dense, ONE).activations
-    assert none == tokens * (2 * dense_layer + 6 * moe_layer) + logits
-    full = estimate_memory(moe_job("full", moe_first_dense_layers=2), ONE).activations
+    # An MoE block keeps attention, its norm's input and the MoE feed-forward's own rows.
+    assert moe_layer == LAYER - 1024 - 8192 + moe_ffn_bytes_per_token(first_dense.model)
+    tokens = 2048
+    none = activation_bytes(first_dense, ONE)
+    assert none.kept == tokens * (2 * dense_layer + 6 * moe_layer)
+    full = activation_bytes(moe_job("full", moe_first_dense_layers=2), ONE)
     # Every block keeps its input, and one block (an MoE one, the bigger) is being recomputed.
-    assert full == tokens * (8 * 2 * 512 + moe_layer) + logits
+    assert full.kept == tokens * 8 * 2 * 512
+    assert full.recompute == tokens * (moe_layer + TRANSIENT)
 
 
 def test_tensor_parallel_divides_moe_activations_by_the_sequence_shard():
-    whole = estimate_memory(moe_job(), ONE).activations
-    assert estimate_memory(moe_job(), {**ONE, "tp": 4}).activations == whole / 4
+    """Each tp rank routes its own quarter of the sequence; only attention's gathered input
+    (2 × dim per token) stays whole."""
+    whole = activation_bytes(moe_job(), ONE).kept
+    gathered = 8 * 2048 * 2 * 512
+    split = activation_bytes(moe_job(), {**ONE, "tp": 4}).kept
+    assert split == pytest.approx((whole - gathered) / 4 + gathered)
 
 
 def _saved_bytes(module: torch.nn.Module, tokens: int, dim: int) -> int:
@@ -374,3 +464,43 @@ def test_moe_ffn_estimate_matches_what_the_block_saves(model):
     # The difference between two token counts leaves what grows with the tokens.
     per_token = (_saved_bytes(moe, 512, cfg.dim) - _saved_bytes(moe, 256, cfg.dim)) / 256
     assert per_token == pytest.approx(moe_ffn_bytes_per_token(cfg), rel=0.02)
+
+
+def _block_saved_bytes(block: Block, cfg: ModelConfig, batch: int, seq: int) -> int:
+    """Bytes a bf16 block (FSDP's compute dtype) saves for backward, weights and the rope tables
+    (the same for every sequence) excluded."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    cos, sin = model_rope_tables(cfg, device=None)
+    x = torch.randn(batch, seq, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(x, cos, sin)
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    skip |= {t.untyped_storage().data_ptr() for t in (cos, sin)}
+    return sum(size for ptr, size in storages.items() if ptr not in skip)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(dim=128, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384),
+        dict(dim=256, n_heads=8, n_kv_heads=8, ffn_hidden_dim=512),
+        dict(dim=256, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024, qk_norm=False),
+    ],
+)
+def test_dense_block_estimate_matches_what_the_block_saves(shape):
+    """Per token, a Llama block saves what `layer_bytes_per_token` counts for CUDA, where
+    RMSNorm is one fused kernel keeping its bf16 input and rstd. On CPU the norm runs as
+    separate operations, which keep its input and output in fp32 as well: 6 × dim more per
+    norm, two norms a block."""
+    cfg = ModelConfig(max_seq_len=64, **shape)
+    block = Block(cfg, 0).to(torch.bfloat16)
+    per_token = (
+        _block_saved_bytes(block, cfg, 4, 64) - _block_saved_bytes(block, cfg, 2, 64)
+    ) / 128
+    cpu_norms = 2 * 6 * cfg.dim
+    assert per_token == layer_bytes_per_token(cfg, moe=False) + cpu_norms

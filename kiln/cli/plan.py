@@ -1,0 +1,120 @@
+"""`kiln plan`: the layout, batch and activation checkpointing to train a model on given GPUs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kiln.cli.common import docs
+
+
+def add_gpu_arguments(parser, *, required: bool) -> None:
+    """The hardware flags `kiln plan` and `kiln check` share."""
+    parser.add_argument(
+        "--gpu",
+        required=required,
+        help="GPU type: h100, h200, a100, b200 (or any name with --peak-tflops, --memory-gb, "
+        "--nvlink-gbps)",
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in one node")
+    parser.add_argument(
+        "--network", help="between nodes: ndr, hdr or ethernet (default: the GPU's usual one)"
+    )
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one GPU, TFLOP/s")
+    parser.add_argument("--memory-gb", type=float, help="memory of one GPU, GB")
+    parser.add_argument(
+        "--nvlink-gbps", type=float, help="GB/s per direction from a GPU to the rest of its node"
+    )
+
+
+def add_parsers(subcommand) -> None:
+    plan = subcommand(
+        "plan",
+        help="recommend a parallel layout, batch and AC mode for a model on given GPUs",
+        epilog="Every estimate's terms and its error against published runs: " + docs("scaling.md"),
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="a model preset (llama3_70b), a model TOML, or a training recipe (its optimizer, "
+        "precision, loss and data come along)",
+    )
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    add_gpu_arguments(plan, required=True)
+    plan.add_argument("--seq-len", type=int, help="default: the recipe's, else model.max_seq_len")
+    plan.add_argument(
+        "--global-batch-tokens",
+        type=int,
+        help="tokens per optimizer step to hold fixed (default: one micro-batch per data rank)",
+    )
+    plan.add_argument("--top", type=int, default=5, help="layouts to print")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--write", type=Path, help="write the best layout as a recipe TOML")
+    plan.set_defaults(run=cmd_plan)
+
+
+def cluster_from_args(args, gpus: int):
+    from kiln.plan.hardware import find_gpu, make_cluster
+
+    gpu = find_gpu(
+        args.gpu,
+        peak_tflops=args.peak_tflops,
+        memory_gb=args.memory_gb,
+        nvlink_gbps=args.nvlink_gbps,
+    )
+    return make_cluster(gpu, gpus, args.gpus_per_node, args.network)
+
+
+def base_config(model: str, seq_len: int | None):
+    """A recipe as it is, or a preset / model TOML under kiln's defaults (bf16, AdamW)."""
+    from kiln.config import config_from_dict, read_toml
+    from kiln.config.load import MODEL_PRESET_DIR, find_recipe
+    from kiln.errors import ConfigError
+
+    if model.endswith(".toml"):
+        raw = read_toml(find_recipe(model))
+        if "model" not in raw:  # a model file: its keys are the model section
+            raw = {"model": raw}
+    elif (MODEL_PRESET_DIR / f"{model}.toml").is_file():
+        raw = {"model": {"preset": model}}
+    else:
+        known = ", ".join(sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.toml")))
+        raise ConfigError(
+            f"--model {model!r} is neither a preset nor a .toml file; presets: {known}"
+        )
+    train = raw.setdefault("train", {})
+    if seq_len is not None:
+        train["seq_len"] = seq_len
+    elif "seq_len" not in train:
+        train["seq_len"] = config_from_dict({"model": dict(raw["model"])}).model.max_seq_len
+    return config_from_dict(raw)
+
+
+def cmd_plan(args) -> int:
+    from kiln.errors import ConfigError
+    from kiln.plan.report import json_report, text_report, write_recipe
+    from kiln.plan.search import require_fit, search
+
+    if args.gpus < 1 or args.top < 1:
+        raise ConfigError(f"--gpus and --top must be positive, got {args.gpus} and {args.top}")
+    cluster = cluster_from_args(args, args.gpus)
+    base = base_config(args.model, args.seq_len)
+    tokens = args.global_batch_tokens
+    if tokens is not None and tokens % base.train.seq_len:
+        raise ConfigError(
+            f"--global-batch-tokens {tokens} is not a whole number of sequences of "
+            f"{base.train.seq_len} tokens"
+        )
+    result = search(base, cluster, global_tokens=tokens)
+    require_fit(base, result, global_tokens=tokens)
+    print(
+        json_report(result, base, top=args.top)
+        if args.json
+        else text_report(result, base, top=args.top)
+    )
+    if args.write:
+        command = " ".join(["kiln", *sys.argv[1:]]) if sys.argv[0].endswith("kiln") else "kiln plan"
+        write_recipe(result.ranked[0], args.write, command=command)
+        if not args.json:
+            print(f"wrote {args.write} (kiln check {args.write} --world-size {args.gpus})")
+    return 0

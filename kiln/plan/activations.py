@@ -1,0 +1,196 @@
+"""Activation memory per GPU: what kiln's blocks keep for backward, per layer, per token.
+
+Counted from what the modules save (tests/unit/test_plan_memory.py measures a block and an MoE
+feed-forward with saved-tensor hooks), in bf16 compute with flash attention (no seq² term) and
+CUDA's fused RMSNorm, which keeps its bf16 input and an fp32 rstd per token:
+
+  attention: its norm's input 2·d + rstd 4, the normalized input the q/k/v projections keep
+             2·d, q 2·d, k and v 2·kv_dim each, attention's output 2·d (wo's input, the same
+             storage), flash attention's log-sum-exp 4 per head;
+  feed-forward: its norm's input 2·d + rstd 4, the normalized input 2·d, and SwiGLU's w1 and w3
+             outputs, silu(w1) and the product (w2's input), 2·hidden each.
+
+Tensor parallel with sequence parallel (kiln's) divides all of it by tp but the two normalized
+inputs: the projections keep them all-gathered, the whole sequence on every tp rank. Without
+sequence parallel the norms' inputs are not divided either. An MoE block keeps attention and the
+norm and replaces SwiGLU's share by `moe_ffn_bytes_per_token` (each tp rank routes its own
+sequence shard, so it divides by tp whole).
+
+Activation checkpointing (kiln/parallel/activation_checkpoint.py): `full` keeps each block's
+input (2·d, sequence-split under tp) and recomputes one block at a time in backward, which then
+holds that block's activations and the largest gradients of its backward (`backward_transient`);
+`selective` checkpoints every other block (even layer indices). Context parallel divides the
+tokens by cp, but each layer's attention keeps the keys and values of the whole sequence it
+gathered (`gathered_kv_bytes`). Under pipeline parallel a rank holds its layers for as many
+micro-batches as its schedule keeps in flight (docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kiln.config.sections import JobConfig, ModelConfig
+from kiln.parallel.pipeline_split import in_flight_microbatches, microbatches
+from kiln.plan import model_facts
+
+# A fused norm's saved fp32 rstd per token, and flash attention's log-sum-exp per head.
+RSTD_BYTES = 4
+LSE_BYTES = 4
+# bf16 block input kept by a checkpointed block.
+CHECKPOINTED_LAYER_BYTES = 2
+# fp32 logits of the loss at their peak, per logit: the log-softmax cross entropy keeps (4) and
+# in backward its gradient (4) and the fp32 logits' gradient (4), before the cast back to bf16.
+LOGIT_BYTES = 12
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How the training code lays out activations; kiln's by default. The comparison with other
+    frameworks' published runs states where they differ (benchmarks/planner.md)."""
+
+    sequence_parallel: bool = True  # norms and residual stream split over tp
+    loss_parallel: bool = True  # logits split over the vocabulary on tp ranks
+
+
+KILN = Implementation()
+
+
+def attention_bytes_per_token(m: ModelConfig, tp: int = 1, *, sp: bool = True) -> float:
+    """Bytes the attention half of a block (its norm included) keeps for one token."""
+    kv_dim = m.n_kv_heads * m.head_dim
+    norm_input = 2 * m.dim + RSTD_BYTES
+    split = 2 * m.dim + 4 * kv_dim + 2 * m.dim + LSE_BYTES * m.n_heads
+    return (norm_input / tp if sp else norm_input) + 2 * m.dim + split / tp
+
+
+def ffn_norm_bytes_per_token(
+    m: ModelConfig, tp: int = 1, *, sp: bool = True, moe: bool = False
+) -> float:
+    """The feed-forward's norm: its input (split over tp under sequence parallel) and the
+    normalized input a dense feed-forward keeps (gathered: whole). An MoE feed-forward keeps
+    its own copies instead (`moe_ffn_bytes_per_token`)."""
+    norm_input = 2 * m.dim + RSTD_BYTES
+    return (norm_input / tp if sp else norm_input) + (0 if moe else 2 * m.dim)
+
+
+def swiglu_bytes_per_token(m: ModelConfig, tp: int = 1) -> float:
+    """w1 and w3 outputs, silu(w1), their product: four rows of the hidden width, split by tp."""
+    return 4 * 2 * m.ffn_hidden_dim / tp
+
+
+def moe_ffn_bytes_per_token(m: ModelConfig) -> float:
+    """Bytes one token's pass through an MoE feed-forward keeps for backward, bf16 compute.
+
+    Counted from what kiln/model/moe saves (measured with saved-tensor hooks in the tests): for
+    each of the top-k copies of the token, its dispatched row, the expert's output and its slot
+    in the combine buffer (3 rows of dim, bf16) and the expert's four hidden activations (w1 and
+    w3 outputs, silu, their product: 4 rows of the expert width, bf16), plus its sort position,
+    expert index (int64) and weight (fp32); per token the fp32 copy of the input the router's
+    gate runs on, and three fp32 score rows over all experts (logits, scores, normalized
+    scores); the shared experts like a dense SwiGLU of their width.
+    """
+    d, k, experts = m.dim, m.moe_top_k, m.num_experts
+    per_copy = 2 * (3 * d + 4 * m.expert_hidden_dim) + 8 + 8 + 4
+    router = 4 * d + 3 * 4 * experts
+    shared_width = m.moe_shared_experts * m.expert_hidden_dim
+    shared = 2 * (2 * d + 4 * shared_width) if shared_width else 0
+    return k * per_copy + router + shared
+
+
+def layer_bytes_per_token(m: ModelConfig, *, moe: bool, tp: int = 1, sp: bool = True) -> float:
+    """Activation bytes one token keeps in one layer without checkpointing, on one tp rank."""
+    common = attention_bytes_per_token(m, tp, sp=sp)
+    common += ffn_norm_bytes_per_token(m, tp, sp=sp, moe=moe)
+    return common + (moe_ffn_bytes_per_token(m) / tp if moe else swiglu_bytes_per_token(m, tp))
+
+
+def backward_transient_bytes_per_token(m: ModelConfig, tp: int = 1) -> float:
+    """The largest gradients one block's backward holds at once besides its activations: the
+    three hidden-width gradients of SwiGLU (of w2's input, then of w1's and w3's outputs) and
+    the gradient of the gathered normalized input, bf16."""
+    hidden = max(m.ffn_hidden_dim, m.moe_top_k * m.expert_hidden_dim if m.num_experts else 0)
+    return 3 * 2 * hidden / tp + 2 * m.dim
+
+
+def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Bytes of the keys and values one attention layer gathers under context parallel, for one
+    micro-batch (bf16): the whole sequences' (batch, kv heads / tp, seq_len, head_dim) twice.
+    This rank's own part is among the layer's activations already; the rest, (cp − 1) / cp of
+    it, is what the all-gather brings in (and the reduce-scatter sends back in backward)."""
+    if degrees["cp"] == 1:
+        return 0.0
+    m, t = cfg.model, cfg.train
+    sequences = t.batch_size / pipeline_microbatches(cfg, degrees)
+    return 2 * 2 * sequences * t.seq_len * m.n_kv_heads / degrees["tp"] * m.head_dim
+
+
+def pipeline_microbatches(cfg: JobConfig, degrees: dict[str, int]) -> int:
+    """Micro-batches one pass is split into: the pipeline's, or the whole batch at once."""
+    return microbatches(cfg.distributed, cfg.train.batch_size) if degrees["pp"] > 1 else 1
+
+
+def microbatch_tokens(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Tokens of one micro-batch on one cp rank (all tp ranks of it see them)."""
+    t = cfg.train
+    return t.seq_len * t.batch_size / pipeline_microbatches(cfg, degrees) / degrees["cp"]
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes one rank holds at its peak: the layers' kept activations over the micro-batches in
+    flight, and the block being recomputed with its backward's gradients."""
+
+    kept: float
+    recompute: float
+
+    @property
+    def total(self) -> float:
+        return self.kept + self.recompute
+
+
+def checkpointed_layers(mode: str, layers: int) -> int:
+    """Of a rank's `layers`, how many `mode` checkpoints: all, every other one, none."""
+    return {"none": 0, "full": layers, "selective": (layers + 1) // 2}[mode]
+
+
+def activation_bytes(
+    cfg: JobConfig, degrees: dict[str, int], impl: Implementation = KILN
+) -> Activations:
+    m, tp, sp = cfg.model, degrees["tp"], impl.sequence_parallel
+    tokens = microbatch_tokens(cfg, degrees)
+    in_flight = in_flight_microbatches(cfg.distributed, pipeline_microbatches(cfg, degrees))
+    # The other cp ranks' keys and values, kept for the backward.
+    gathered = gathered_kv_bytes(cfg, degrees) * (degrees["cp"] - 1) / degrees["cp"]
+    dense = layer_bytes_per_token(m, moe=False, tp=tp, sp=sp) * tokens + gathered
+    moe = layer_bytes_per_token(m, moe=True, tp=tp, sp=sp) * tokens + gathered
+    checkpointed = CHECKPOINTED_LAYER_BYTES * m.dim * tokens / (tp if sp else 1)
+    layers = math.ceil(m.n_layers / degrees["pp"])
+    n_checkpointed = checkpointed_layers(cfg.train.activation_checkpointing, layers)
+    # Which layers a rank holds and which of them are checkpointed is not worked out here: the
+    # worst case is assumed, the rank holding as many MoE layers as there are and the biggest
+    # layers being the ones that are not checkpointed.
+    moe_layers = min(layers, model_facts.moe_layers(m))
+    (big, n_big), (small, _) = sorted(
+        [(moe, moe_layers), (dense, layers - moe_layers)], key=lambda size: -size[0] * bool(size[1])
+    )
+    whole = layers - n_checkpointed
+    per_micro_batch = n_checkpointed * checkpointed
+    per_micro_batch += min(whole, n_big) * big + max(0, whole - n_big) * small
+    # The backward of the last micro-batch holds one block's gradients; a checkpointed block's
+    # own activations besides, recomputed.
+    transient = backward_transient_bytes_per_token(m, tp) * tokens
+    recompute = (big if n_checkpointed else 0) + transient
+    return Activations(kept=in_flight * per_micro_batch, recompute=recompute)
+
+
+def logit_bytes(cfg: JobConfig, degrees: dict[str, int], impl: Implementation = KILN) -> float:
+    """The loss's fp32 logits at their peak: of every token of a micro-batch (loss parallel
+    gathers the sequence) over the vocabulary split by tp, or of one chunk of
+    `train.loss_chunk_tokens` tokens with the chunked loss."""
+    m, t = cfg.model, cfg.train
+    tokens = microbatch_tokens(cfg, degrees)
+    if t.loss == "chunked_cross_entropy":
+        tokens = min(tokens, t.loss_chunk_tokens)
+    vocab = m.vocab_size / degrees["tp"] if impl.loss_parallel else m.vocab_size
+    return LOGIT_BYTES * tokens * vocab

@@ -1,0 +1,154 @@
+"""Peak memory per GPU during a training step, term by term, for `kiln check` and `kiln plan`.
+
+  model state     fp32 weights, gradients, optimizer state, sharded (kiln/plan/model_state.py)
+  activations     what the blocks keep for backward under the AC mode, the micro-batches in
+                  flight, and the block being recomputed (kiln/plan/activations.py)
+  logits          the loss's fp32 logits at their peak (activations.py)
+  gathered        FSDP's units in flight in bf16 (`gathered_unit_bytes`), the root unit
+                  (embeddings and head, gathered for the whole step), or without FSDP the bf16
+                  weight copies autocast makes
+  dispatch        expert parallel's all-to-all send and receive buffers of one MoE layer
+
+The sum is what `torch.cuda.max_memory_allocated` would read. PyTorch's caching allocator
+reserves more than that (freed blocks it keeps, fragmentation) and CUDA's context and NCCL's
+buffers sit outside it: `reserved_bytes` adds `ALLOCATOR_OVERHEAD`, and a layout fits when that
+plus `CONTEXT_BYTES` is within the GPU's memory. It is an estimate for choosing a layout, not a
+promise; docs/scaling.md says how to correct it from one short run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.config.sections import JobConfig, ModelConfig
+from kiln.plan import model_facts
+from kiln.plan.activations import (
+    KILN,
+    Implementation,
+    activation_bytes,
+    logit_bytes,
+    microbatch_tokens,
+)
+from kiln.plan.model_state import model_state, params_per_rank
+
+# The caching allocator's reserve over the allocated peak (blocks freed but kept, split blocks
+# that a larger request cannot use); stated, not measured: PyTorch's own guidance for a
+# steady training loop is a few percent, more with expandable_segments off and MoE's ragged
+# sizes.
+ALLOCATOR_OVERHEAD = 0.05
+# CUDA context, cuBLAS workspaces and NCCL's buffers: outside PyTorch's allocator.
+CONTEXT_BYTES = 2e9
+# Under FSDP, in one unit's backward: its gathered bf16 weights (2), the next unit's prefetched
+# (2), its unsharded bf16 gradient (2) and that gradient's fp32 copy for the reduce-scatter (4).
+GATHERED_UNIT_BYTES = 2 + 2 + 2 + 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one GPU holds at its peak, by term (the busiest rank where ranks differ)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float = 0.0
+    gathered: float = 0.0
+    dispatch: float = 0.0
+
+    @property
+    def model_state(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations + self.logits + self.gathered + self.dispatch
+
+    @property
+    def reserved(self) -> float:
+        """What the caching allocator holds for that peak."""
+        return self.total * (1 + ALLOCATOR_OVERHEAD)
+
+    def terms(self) -> dict[str, float]:
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "logits": self.logits,
+            "gathered": self.gathered,
+            "dispatch": self.dispatch,
+        }
+
+
+def fits(estimate: MemoryEstimate, memory_bytes: float) -> bool:
+    return estimate.reserved + CONTEXT_BYTES <= memory_bytes
+
+
+def fsdp_sharded(degrees: dict[str, int]) -> bool:
+    """Whether FSDP shards the model: more than one rank holds different tokens."""
+    return degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"] * degrees["cp"] > 1
+
+
+def largest_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
+    """Parameters of the largest FSDP unit inside a block on one tp rank: attention, the dense
+    feed-forward (both split by tp), or one ep rank's routed experts (whole, all of them)."""
+    hd = m.head_dim
+    attention = (2 * m.dim * m.n_heads * hd + 2 * m.dim * m.n_kv_heads * hd) / degrees["tp"]
+    units = [attention]
+    if model_facts.moe_layers(m) < m.n_layers:
+        units.append(3 * m.dim * m.ffn_hidden_dim / degrees["tp"])
+    if m.num_experts > 0:
+        units.append(m.num_experts // degrees["ep"] * 3 * m.dim * m.expert_hidden_dim)
+    return max(units)
+
+
+def root_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
+    """Parameters of the root unit on the busiest (last) pipeline rank and one tp rank: the
+    output head (vocabulary-split by tp), and the token embeddings when one stage holds both."""
+    head = m.vocab_size * m.dim
+    embeddings = head if degrees["pp"] == 1 and not m.tie_embeddings else 0
+    return (head + embeddings) / degrees["tp"]
+
+
+def gathered_unit_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """bf16 weights gathered beyond the shards. Under FSDP: the largest block unit in its
+    backward (`GATHERED_UNIT_BYTES` per parameter, float8 all-gather halving the gathered
+    weights), and the root unit, gathered for the whole step (2 per parameter) whose head's bf16
+    gradient (2) waits for the end of backward. Without FSDP: autocast's bf16 copy of every
+    weight, kept through the forward."""
+    m = cfg.model
+    if not fsdp_sharded(degrees):
+        if cfg.train.mixed_precision == "fp32":
+            return 0.0
+        return 2 * sum(params_per_rank(m, degrees))
+    float8 = cfg.train.mixed_precision == "fp8" and cfg.fp8.fsdp_float8_all_gather
+    per_param = GATHERED_UNIT_BYTES - (2 if float8 else 0)
+    head = m.vocab_size * m.dim / degrees["tp"]
+    root = 2 * root_unit_params(m, degrees) + 2 * head
+    return per_param * largest_unit_params(m, degrees) + root
+
+
+def dispatch_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Expert parallel's all-to-all buffers for one MoE layer: every routed copy of this tp
+    rank's tokens sent and received, bf16 rows of dim."""
+    m = cfg.model
+    if m.num_experts <= 0 or degrees["ep"] == 1:
+        return 0.0
+    copies = microbatch_tokens(cfg, degrees) / degrees["tp"] * m.moe_top_k
+    return 2 * 2 * copies * m.dim
+
+
+def estimate_memory(
+    cfg: JobConfig, degrees: dict[str, int], impl: Implementation = KILN
+) -> MemoryEstimate:
+    """Every term for `cfg` on the layout `degrees` (resolved: no -1)."""
+    state = model_state(cfg.model, degrees, cfg.optimizer.name)
+    return MemoryEstimate(
+        weights=state.weights,
+        grads=state.grads,
+        optimizer=state.optimizer,
+        activations=activation_bytes(cfg, degrees, impl).total,
+        logits=logit_bytes(cfg, degrees, impl),
+        gathered=gathered_unit_bytes(cfg, degrees),
+        dispatch=dispatch_bytes(cfg, degrees),
+    )

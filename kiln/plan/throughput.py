@@ -1,0 +1,218 @@
+"""Step time, tokens per second and MFU of a layout: compute, each collective, and how they
+overlap.
+
+Compute: the honest FLOPs per token MFU uses (kiln/model/flops.py: 6 per matmul weight a token
+goes through, MoE's top-k experts only, plus causal attention), times the recompute activation
+checkpointing adds (a block's forward is a third of its forward and backward), over the GPU's
+dense peak times `COMPUTE_EFFICIENCY`. A pipeline adds its schedule's idle share
+(kiln/parallel/pipeline_split.py's bubble formulas).
+
+Communication, bytes each GPU sends per step, per collective (a ring moves (n − 1)/n of the
+tensor per GPU for an all-gather or reduce-scatter, twice that for an all-reduce):
+  fsdp_all_gather      bf16 weights (float8 with fsdp_float8_all_gather), in the forward and
+                       again in the backward (once per pass under a pipeline), each micro-batch;
+  fsdp_reduce_scatter  fp32 gradients each micro-batch; with HSDP an all-reduce across replicas;
+  tp                   sequence parallel's all-gather and reduce-scatter of the residual stream
+                       around attention and the dense feed-forward, forward, backward and
+                       recompute;
+  cp                   the keys and values each layer all-gathers (reduce-scatters in backward);
+  ep                   the all-to-all of every routed token copy to its expert and back;
+  pp                   activations to the next stage and gradients back, each micro-batch.
+A collective whose ranks sit inside one node runs on NVLink, one that spans nodes at the
+network's rate (hardware.py); mesh dims nest pp, dp_replicate, dp_shard, ep, cp, tp from the
+outside in, so a dim's ranks span the product of its degree and the inner ones.
+
+Overlap rule: FSDP's all-gathers and reduce-scatters are prefetched and run on their own
+stream, so they hide behind the compute and only what exceeds it adds to the step; tensor,
+context, expert and pipeline transfers sit between the operations that need them (kiln runs
+them synchronously) and add in full.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kiln.config.sections import JobConfig
+from kiln.parallel.pipeline_split import bubble_fraction
+from kiln.plan import model_facts
+from kiln.plan.activations import checkpointed_layers, microbatch_tokens, pipeline_microbatches
+from kiln.plan.hardware import COMPUTE_EFFICIENCY, Cluster
+from kiln.plan.model_state import routed_expert_params
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on one GPU, and what it trains."""
+
+    compute: float  # recompute included
+    bubble: float
+    comm: dict[str, float]  # seconds each collective takes
+    exposed: float  # communication seconds the overlap rule leaves on the step
+    tokens: float  # global tokens per step
+    flops_per_token: float
+    gpus: int
+    peak_flops: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.bubble + self.exposed
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_sec * self.flops_per_token / (self.gpus * self.peak_flops)
+
+
+def data_ranks(degrees: dict[str, int]) -> int:
+    return degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
+
+
+def recompute_factor(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Work over model FLOPs: checkpointed blocks run their forward twice, and a forward is a
+    third of a block's forward and backward."""
+    layers = math.ceil(cfg.model.n_layers / degrees["pp"])
+    share = checkpointed_layers(cfg.train.activation_checkpointing, layers) / layers
+    return 1 + share / 3
+
+
+def compute_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
+    """One GPU's share of its data rank's tokens per step, at the achievable rate."""
+    t = cfg.train
+    tokens = t.batch_size * t.grad_accum_steps * t.seq_len
+    flops = tokens * model_facts.flops(cfg.model, t.seq_len) * recompute_factor(cfg, degrees)
+    per_gpu = flops / (degrees["tp"] * degrees["cp"] * degrees["pp"])
+    return per_gpu / (cluster.gpu.peak_flops * COMPUTE_EFFICIENCY)
+
+
+def ring_share(n: int) -> float:
+    """Share of a gathered (or reduced) tensor each of `n` ranks sends in a ring."""
+    return (n - 1) / n
+
+
+def span(degrees: dict[str, int], dim: str) -> int:
+    """Consecutive ranks one group of mesh dim `dim` spans (dims nest, tp innermost)."""
+    order = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+    return math.prod(degrees[d] for d in order[order.index(dim) :])
+
+
+def fsdp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> dict[str, float]:
+    """FSDP's all-gathers and reduce-scatters per step (and HSDP's all-reduce)."""
+    m, t, d = cfg.model, cfg.train, cfg.distributed
+    shard = degrees["dp_shard"] * degrees["ep"] * degrees["cp"]
+    replicas = degrees["dp_replicate"]
+    if shard * replicas == 1:
+        return {}
+    experts = routed_expert_params(m) if m.num_experts > 0 else 0
+    dense = (model_facts.params(m).total - experts) / (degrees["tp"] * degrees["pp"])
+    expert_ranks = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
+    local_experts = experts / (degrees["ep"] * degrees["pp"])
+    gathered = dense * ring_share(shard) + local_experts * ring_share(expert_ranks)
+    float8 = t.mixed_precision == "fp8" and cfg.fp8.fsdp_float8_all_gather
+    gathers = 1 if degrees["pp"] > 1 or not d.reshard_after_forward else 2
+    # Gradients are reduced every micro-batch (grad_reduce = per_micro_batch) or once per step.
+    reductions = t.grad_accum_steps if d.grad_reduce == "per_micro_batch" else 1
+    bandwidth = cluster.bandwidth(span(degrees, "dp_shard"))
+    out = {
+        "fsdp_all_gather": gathers * t.grad_accum_steps * (1 if float8 else 2) * gathered,
+        "fsdp_reduce_scatter": reductions * 4 * gathered,
+    }
+    out = {name: size / bandwidth for name, size in out.items()}
+    if replicas > 1:
+        held = dense / shard + local_experts / expert_ranks
+        all_reduce = reductions * 2 * 4 * held * ring_share(replicas)
+        out["hsdp_all_reduce"] = all_reduce / cluster.bandwidth(span(degrees, "dp_replicate"))
+    return out
+
+
+def layer_passes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Passes over a rank's layers per micro-batch that communicate: forward, backward and the
+    recompute's forward."""
+    return 2 + (recompute_factor(cfg, degrees) - 1) * 3
+
+
+def tp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
+    """Sequence parallel: an all-gather before attention and before a dense feed-forward, a
+    reduce-scatter after each (an MoE feed-forward runs on the sequence shard), of the
+    micro-batch's residual stream in bf16, each pass; and the embeddings' and head's."""
+    if degrees["tp"] == 1:
+        return 0.0
+    m = cfg.model
+    layers = math.ceil(m.n_layers / degrees["pp"])
+    moe = min(layers, model_facts.moe_layers(m))
+    collectives = (4 * (layers - moe) + 2 * moe) * layer_passes(cfg, degrees) + 4
+    size = 2 * microbatch_tokens(cfg, degrees) * m.dim * ring_share(degrees["tp"])
+    per_step = collectives * size * micro_batches_per_step(cfg, degrees)
+    return per_step / cluster.bandwidth(span(degrees, "tp"))
+
+
+def micro_batches_per_step(cfg: JobConfig, degrees: dict[str, int]) -> int:
+    return pipeline_microbatches(cfg, degrees) * cfg.train.grad_accum_steps
+
+
+def cp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
+    """Each layer all-gathers the keys and values (bf16) of its micro-batch's sequences over
+    cp, each pass."""
+    if degrees["cp"] == 1:
+        return 0.0
+    m = cfg.model
+    layers = math.ceil(m.n_layers / degrees["pp"])
+    kv = 2 * m.n_kv_heads * m.head_dim / degrees["tp"]
+    whole = 2 * kv * microbatch_tokens(cfg, degrees) * degrees["cp"]
+    size = whole * ring_share(degrees["cp"]) * layers * layer_passes(cfg, degrees)
+    return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "cp"))
+
+
+def ep_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
+    """Every MoE layer sends each routed copy of this tp rank's tokens to its expert and back
+    (dispatch and combine), each pass; (ep − 1)/ep of them leave the rank."""
+    m = cfg.model
+    if m.num_experts <= 0 or degrees["ep"] == 1:
+        return 0.0
+    layers = math.ceil(m.n_layers / degrees["pp"])
+    moe = min(layers, model_facts.moe_layers(m))
+    copies = microbatch_tokens(cfg, degrees) / degrees["tp"] * m.moe_top_k
+    size = 2 * 2 * copies * m.dim * ring_share(degrees["ep"]) * moe * layer_passes(cfg, degrees)
+    return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "ep"))
+
+
+def pp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
+    """Each micro-batch's activations go to the next stage and their gradients come back, once
+    per virtual stage (bf16, the tp rank's sequence shard)."""
+    if degrees["pp"] == 1:
+        return 0.0
+    size = 2 * microbatch_tokens(cfg, degrees) * cfg.model.dim / degrees["tp"]
+    sends = 2 * cfg.distributed.pp_virtual_stages * micro_batches_per_step(cfg, degrees)
+    return sends * size / cluster.bandwidth(2 * span(degrees, "dp_replicate"))
+
+
+def step_time(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> StepTime:
+    """Everything above for `cfg` on `degrees` (resolved) on `cluster`."""
+    t = cfg.train
+    compute = compute_seconds(cfg, degrees, cluster)
+    bubble = 0.0
+    if degrees["pp"] > 1:
+        idle = bubble_fraction(cfg.distributed, pipeline_microbatches(cfg, degrees))
+        bubble = compute * idle / (1 - idle)
+    comm = fsdp_seconds(cfg, degrees, cluster)
+    serial = {
+        "tp": tp_seconds(cfg, degrees, cluster),
+        "cp": cp_seconds(cfg, degrees, cluster),
+        "ep": ep_seconds(cfg, degrees, cluster),
+        "pp": pp_seconds(cfg, degrees, cluster),
+    }
+    exposed = max(0.0, sum(comm.values()) - compute) + sum(serial.values())
+    comm.update({name: s for name, s in serial.items() if s})
+    return StepTime(
+        compute=compute,
+        bubble=bubble,
+        comm=comm,
+        exposed=exposed,
+        tokens=data_ranks(degrees) * t.batch_size * t.grad_accum_steps * t.seq_len,
+        flops_per_token=model_facts.flops(cfg.model, t.seq_len),
+        gpus=math.prod(degrees.values()),
+        peak_flops=cluster.gpu.peak_flops,
+    )
