@@ -6,10 +6,12 @@ Bandwidths are per GPU and per direction: NVLink's data-sheet figure is both dir
 so it is halved here; a network's is the port rate of the one NIC each GPU has in the usual
 HGX/DGX node (8 bits to the byte).
 
-Only three constants are measured rather than read off a data sheet, each from one published
-run (benchmarks/planner.md names them; every other row of that comparison is held out):
+Two constants are measured rather than read off a data sheet, each from one published run
+(benchmarks/planner.md names them; every other row of that comparison is held out):
 `COMPUTE_EFFICIENCY`, the share of the dense peak a training step's compute reaches on one GPU,
-and the shares of their nominal bandwidth that collectives reach on NVLink and on the network.
+and `NVLINK_EFFICIENCY`, the share of NVLink's nominal rate tensor parallel's collectives reach.
+`NETWORK_EFFICIENCY` is an assumption, not a fit: NCCL's all-gather and reduce-scatter bus
+bandwidth over InfiniBand is commonly about 80% of the line rate.
 """
 
 from __future__ import annotations
@@ -54,16 +56,15 @@ INTERCONNECTS = {
     "ethernet": Interconnect("Ethernet (RoCE) 100 GbE", 100e9 / 8, "100 Gb/s per GPU"),
 }
 
-# Calibrated, one published run each (benchmarks/planner.md, "calibration rows"):
-# the 7B model on one H200 (57.8% MFU in the publisher's FLOP count, full AC) gives the share of
-# the peak that kiln's honest FLOPs plus the recompute reach when nothing communicates;
+# Calibrated, one published run each (benchmarks/planner.md, "calibration" rows):
+# the 7B model on one H200 (57.8% MFU in the publisher's FLOP count, full AC): the share of the
+# peak that kiln's honest FLOPs plus the recompute reach when nothing communicates;
 COMPUTE_EFFICIENCY = 0.69
 # 7B on 4 H200s as TP=4 (34.7% MFU against 53.8% for FSDP=4): what the TP collectives, which
-# wait on each other every layer, reach of NVLink's nominal rate;
+# wait on each other every layer, reach of NVLink's nominal rate.
 NVLINK_EFFICIENCY = 0.33
-# 7B on 8 H200s over two nodes as FSDP=8 (53% of linear scaling): what FSDP's all-gathers and
-# reduce-scatters reach of the network's nominal rate.
-NETWORK_EFFICIENCY = 0.77
+# Assumed: NCCL's bus bandwidth over InfiniBand, about 80% of the line rate.
+NETWORK_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)

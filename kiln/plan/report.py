@@ -10,7 +10,7 @@ from kiln.config import JobConfig
 from kiln.config.dump import write_config
 from kiln.plan.hardware import Cluster
 from kiln.plan.memory import CONTEXT_BYTES, estimate_memory, fits
-from kiln.plan.search import Candidate, PlanResult, evaluate
+from kiln.plan.search import Candidate, PlanResult, distinct, evaluate
 from kiln.plan.throughput import data_ranks
 
 GB = 1e9
@@ -67,8 +67,8 @@ def why(result: PlanResult) -> str:
         + f" + {s.exposed:.2f} s of communication left exposed"
         + (f" (FSDP's {hidden:.2f} s overlaps the compute)" if hidden else "")
     ]
-    if len(result.ranked) > 1:
-        other = next((c for c in result.ranked[1:] if c.key != best.key), result.ranked[1])
+    if len(distinct(result.ranked, 2)) > 1:
+        other = distinct(result.ranked, 2)[-1]
         loss = 1 - other.step.tokens_per_sec / s.tokens_per_sec
         extra = {
             "compute": other.step.compute - s.compute,
@@ -96,7 +96,7 @@ def text_report(result: PlanResult, base: JobConfig, *, top: int) -> str:
         f"{'#':>2}  {'layout':<40} {'AC':<9} {'batch':<22} {'global tok':>11} "
         f"{'GB/GPU':>7} {'tok/s':>12} {'tok/s/GPU':>9} {'MFU':>6}",
     ]
-    for i, cand in enumerate(result.ranked[:top], 1):
+    for i, cand in enumerate(distinct(result.ranked, top), 1):
         s = cand.step
         lines.append(
             f"{i:>2}  {cand.key:<40} {cand.cfg.train.activation_checkpointing:<9} "
@@ -119,7 +119,7 @@ def json_report(result: PlanResult, base: JobConfig, *, top: int) -> str:
         "layouts": result.layouts,
         "candidates": result.considered,
         "fitting": len(result.ranked),
-        "top": [candidate_dict(cand) for cand in result.ranked[:top]],
+        "top": [candidate_dict(cand) for cand in distinct(result.ranked, top)],
         "why": why(result),
     }
     return json.dumps(out, indent=2)
