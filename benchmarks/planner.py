@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.config import config_from_dict
-from kiln.plan.activations import Implementation
+from kiln.plan.activations import KILN, Implementation
 from kiln.plan.hardware import find_gpu, make_cluster
 from kiln.plan.memory import estimate_memory
 from kiln.plan.throughput import step_time
@@ -94,7 +94,9 @@ ROWS = [
         8 * 10_471 * 0.53,
         note="from '53% of linear scaling'",
     ),
-    Row(REFERENCE, "13B, FSDP=8", L13, 8, {"dp_shard": 8}, {**DENSE, "batch_size": 4}, None, 35_405),
+    Row(
+        REFERENCE, "13B, FSDP=8", L13, 8, {"dp_shard": 8}, {**DENSE, "batch_size": 4}, None, 35_405
+    ),
     Row(
         REFERENCE,
         "13B, TP=4 × FSDP=4",
@@ -206,7 +208,7 @@ ROWS.append(
 )
 
 
-def predict(row: Row, impl: Implementation = Implementation()):
+def predict(row: Row, impl: Implementation = KILN):
     raw = {"model": dict(row.model), "train": dict(row.train), "distributed": dict(row.layout)}
     cfg = config_from_dict(raw, world_size=row.gpus)
     degrees = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
@@ -247,7 +249,9 @@ def reference_without_sp_table() -> None:
         if row.source == REFERENCE and row.memory_gib is not None:
             memory, _ = predict(row, impl)
             value = memory.total / GIB
-            print(f"| {row.name} | {row.memory_gib:.1f} | {value:.1f} | {pct(value, row.memory_gib)} |")
+            print(
+                f"| {row.name} | {row.memory_gib:.1f} | {value:.1f} | {pct(value, row.memory_gib)} |"
+            )
 
 
 def throughput_table() -> None:

@@ -146,7 +146,7 @@ def test_fsdp_hides_behind_compute_the_rest_adds():
 
 
 def test_a_gpu_outside_the_table_needs_its_numbers():
-    with pytest.raises(ConfigError, match="knows h100, h200, a100, b200.*--peak-tflops"):
+    with pytest.raises(ConfigError, match=r"knows h100, h200, a100, b200.*--peak-tflops"):
         find_gpu("v100")
     custom = find_gpu("v100", peak_tflops=125, memory_gb=32, nvlink_gbps=150)
     assert (custom.peak_flops, custom.memory_bytes) == (125e12, 32e9)
@@ -154,7 +154,7 @@ def test_a_gpu_outside_the_table_needs_its_numbers():
 
 
 def test_gpus_must_fill_whole_nodes():
-    with pytest.raises(ConfigError, match="not a multiple of --gpus-per-node 4.*use 4 or 8"):
+    with pytest.raises(ConfigError, match=r"not a multiple of --gpus-per-node 4.*use 4 or 8"):
         make_cluster(H100, 6, 4)
     assert make_cluster(H100, 2, 8).gpus_per_node == 2  # less than a node: one partial node
     with pytest.raises(ConfigError, match="unknown --network"):
