@@ -42,11 +42,15 @@ def candidate_dict(c: Candidate) -> dict:
 
 
 def batch_label(c: Candidate) -> str:
+    """Sequences per micro-batch, and the micro-batches a step runs: accumulated, or a
+    pipeline pass's."""
     t, d = c.cfg.train, c.cfg.distributed
     if c.degrees["pp"] > 1:
-        micro = t.batch_size // (d.pp_microbatches or t.batch_size)
-        return f"{d.pp_microbatches or t.batch_size}×{micro} ({d.pp_schedule})"
-    return f"{t.batch_size}" + (f" ×{t.grad_accum_steps} accum" if t.grad_accum_steps > 1 else "")
+        micro = d.pp_microbatches or t.batch_size
+        return f"{micro} × {t.batch_size // micro} seq, {d.pp_schedule}"
+    return f"{t.batch_size} seq" + (
+        f" × {t.grad_accum_steps} accum" if t.grad_accum_steps > 1 else ""
+    )
 
 
 def biggest(terms: dict[str, float]) -> str:
