@@ -203,6 +203,20 @@ class EvalConfig:
     steps: int = 10
     # A prepared dataset; empty: the validation split `kiln prepare` wrote at <data.path>/val.
     path: str = ""
+    # lm-evaluation-harness tasks (pip install 'kiln[eval]') scored on the training model every
+    # `tasks_interval` steps (0: every `interval`), logged as eval/<task>/<metric>. Not under
+    # pipeline or context parallel: score checkpoints with `kiln eval CKPT --tasks` there.
+    tasks: list[str] = field(default_factory=list)
+    tasks_interval: int = 0
+    # Examples per task (0: all), few-shot examples (-1: each task's own), a folder of task YAMLs.
+    tasks_limit: int = 0
+    tasks_num_fewshot: int = -1
+    tasks_path: str = ""
+
+    @property
+    def effective_tasks_interval(self) -> int:
+        """Steps between two evaluations of the tasks (0: never)."""
+        return (self.tasks_interval or self.interval) if self.tasks else 0
 
 
 @dataclass

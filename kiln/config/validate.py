@@ -12,6 +12,7 @@ from kiln.config.pipeline import (
     num_stages,
 )
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
+from kiln.config.validate_eval import eval_task_problems
 from kiln.config.validate_float8 import float8_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
 from kiln.config.validate_observability import observability_problems
@@ -46,7 +47,8 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems = _choice_problems(cfg) + _model_problems(cfg) + _train_problems(cfg)
     problems += optimizer_problems(cfg) + float8_problems(cfg)
-    problems += _data_problems(cfg) + _eval_problems(cfg) + observability_problems(cfg, world_size)
+    problems += _data_problems(cfg) + _eval_problems(cfg) + eval_task_problems(cfg)
+    problems += observability_problems(cfg, world_size)
     return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 
 

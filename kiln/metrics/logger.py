@@ -65,6 +65,12 @@ class MetricsLogger:
         ]
         if r.get("eval/loss") is not None:
             parts.append(f"eval {r['eval/loss']:.4f} (ppl {r['eval/perplexity']:.1f})")
+        # Harness tasks' scores: eval/<task>/<metric>.
+        scores = [
+            f"{k[5:]} {v:.4g}" for k, v in r.items() if k.startswith("eval/") and k.count("/") > 1
+        ]
+        if scores:
+            parts.append("tasks: " + ", ".join(scores))
         per_dataset = [f"{k[5:]} {v:.3f}" for k, v in r.items() if k.startswith("loss/")]
         if per_dataset:
             parts.append("loss by dataset: " + ", ".join(per_dataset))

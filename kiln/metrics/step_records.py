@@ -68,6 +68,7 @@ class StepLog:
             backends=backends,
         )
         self.log_interval, self.eval_interval = cfg.metrics.log_interval, cfg.eval.interval
+        self.tasks_interval = cfg.eval.effective_tasks_interval
         self.max_steps = train.max_steps
         self.flops_per_token = flops_per_token(cfg.model, train.seq_len)
         self.peak_flops = peak_flops(device)
@@ -95,7 +96,10 @@ class StepLog:
         return step % self.log_interval == 0 or step in (1, self.max_steps) or self.eval_due(step)
 
     def eval_due(self, step: int) -> bool:
-        return bool(self.eval_interval) and step % self.eval_interval == 0
+        """The held-out loss or the harness's tasks are evaluated at `step`."""
+        return any(
+            every and step % every == 0 for every in (self.eval_interval, self.tasks_interval)
+        )
 
     def record(
         self, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens_seen: int

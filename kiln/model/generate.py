@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kiln.errors import KilnError
@@ -20,13 +22,15 @@ def generate(
     top_p: float = 1.0,
     eos_id: int | None = None,
     seed: int = 0,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Continue `prompt_ids` and return only the new tokens (the eos token included if reached).
 
     temperature 0 is greedy; otherwise logits are divided by the temperature, filtered to the
     `top_k` most likely tokens (0: all) and to the smallest set holding `top_p` of the
     probability mass, then sampled with a generator seeded by `seed`. Generation also stops
-    when the context reaches model.cfg.max_seq_len.
+    when the context reaches model.cfg.max_seq_len, and once `stop(new tokens so far)` is true
+    (stop sequences: the evaluation harness's `until`).
     """
     cfg = model.cfg
     _check_args(
@@ -52,7 +56,7 @@ def generate(
     while True:
         token = _next_token(logits, temperature, top_k, top_p, generator)
         new.append(token)
-        if token == eos_id or len(new) == n_new:
+        if token == eos_id or len(new) == n_new or (stop is not None and stop(new)):
             return new
         logits = model(torch.tensor([[token]], device=param.device), cache)[0, -1]
 

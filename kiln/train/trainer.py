@@ -36,6 +36,7 @@ from kiln.train.optimizer import build_optimizer, newton_schulz_dtype
 from kiln.train.preflight import check_stop_at_step
 from kiln.train.schedule_free import optimizer_eval_point, optimizer_train_point
 from kiln.train.step import StepResult, TrainStep
+from kiln.train.task_eval import TaskEval
 
 
 class Trainer:
@@ -73,6 +74,7 @@ class Trainer:
             optimizers=self.optimizers,
             sources=self.sources,
         )
+        self.tasks = TaskEval(cfg, self.parallel, self.model_parts, sources=self.sources)
         self.loader = BatchLoader(
             self.sources,
             cfg.data,
@@ -265,7 +267,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         with optimizer_eval_point(self.optimizers):
-            return self.step_fn.evaluate(self.eval_data)
+            return self.tasks.at(self.step, held_out=self.step_fn.evaluate, data=self.eval_data)
 
     def _open_data(self):
         # Rank 0 builds what is missing (demo corpus, tokenized HF datasets); then all open it.

@@ -16,6 +16,8 @@ FORBIDDEN = {
     "checkpoint": ("kiln.data", "kiln.train", "kiln.resilience", "kiln.metrics"),
     "parallel": ("kiln.data", "kiln.train", "kiln.checkpoint", "kiln.resilience"),
     "resilience": ("kiln.data", "kiln.parallel", "kiln.checkpoint", "kiln.train"),
+    # The harness adapter sits under train, whose trainer scores [eval] tasks with it.
+    "eval": ("kiln.train", "kiln.metrics", "kiln.resilience"),
 }
 
 

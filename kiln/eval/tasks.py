@@ -1,0 +1,114 @@
+"""lm-evaluation-harness tasks: names checked before any model is loaded, run through the
+harness's own evaluation loop, scores flattened to `eval/<task>/<metric>`."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import numbers
+import random
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ConfigError
+
+# The harness's default seed for few-shot examples, numpy and torch (lm_eval.defaults.
+# DEFAULT_OTHER_SEED): the same prompts as `lm-eval run` builds.
+FEWSHOT_SEED = 1234
+
+
+def require_harness(what: str) -> None:
+    # Looked up, not imported: `kiln check` validates without paying for the import.
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            f"{what} needs lm-evaluation-harness, which is not installed: pip install 'kiln[eval]'"
+        )
+
+
+def task_manager(names: list[str], *, include_path: str = "") -> Any:
+    """A harness TaskManager that knows every task of `names` (registered names of tasks,
+    groups or tags, or task YAML files), with the tasks of `include_path` (a folder of task
+    YAMLs) added. Indexing the harness's own thousands of tasks takes seconds, so a folder that
+    holds every task asked for is indexed alone. An unknown name is one ConfigError."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        if not Path(include_path).is_dir():
+            raise ConfigError(f"eval task folder {include_path} is not a directory")
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if not _unknown(names, local):
+            return local
+    manager = TaskManager(include_path=include_path or None)
+    unknown = _unknown(names, manager)
+    if unknown:
+        hints = [f"{name!r}{_did_you_mean(name, manager.all_tasks)}" for name in unknown]
+        raise ConfigError(
+            f"lm-evaluation-harness knows no task, group or tag named {', '.join(hints)}: list "
+            "them with `lm-eval ls tasks`, or pass a folder of your own task YAMLs "
+            "(kiln eval --include-path, eval.tasks_path)"
+        )
+    return manager
+
+
+def _unknown(names: list[str], manager: Any) -> list[str]:
+    known = set(manager.all_tasks)
+    return [name for name in names if name not in known and not Path(name).is_file()]
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def run_tasks(
+    lm: Any,
+    manager: Any,
+    names: list[str],
+    *,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    bootstrap_iters: int = 0,
+    log_samples: bool = False,
+) -> dict[str, Any]:
+    """The harness's results for `names` scored by `lm`: what `lm_eval.simple_evaluate` does
+    with the same arguments (few-shot counts, few-shot seed), without its report on the host
+    (which runs `pip list` and `git` every time). `bootstrap_iters` 0: no standard errors."""
+    import numpy as np
+    import torch
+    from lm_eval.evaluator import evaluate
+
+    # The seeds simple_evaluate sets: a task that draws on the global generators draws the same.
+    random.seed(0)
+    np.random.seed(FEWSHOT_SEED)
+    torch.manual_seed(FEWSHOT_SEED)
+    loaded = manager.load(names)  # fresh task objects: a task keeps the requests it built
+    for task in loaded["tasks"].values():
+        default = task.get_config("num_fewshot")
+        # A task whose config fixes 0 shots keeps it, as in the harness.
+        if num_fewshot is not None and default != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif default is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    return evaluate(
+        lm=lm,
+        task_dict=loaded,
+        limit=limit,
+        bootstrap_iters=bootstrap_iters,
+        log_samples=log_samples,
+    )
+
+
+def task_scores(results: dict[str, Any]) -> dict[str, float]:
+    """`eval/<task>/<metric>` for every number the harness reports (a filter other than
+    "none" is appended, `eval/gsm8k/exact_match/strict-match`); standard errors left out."""
+    scores = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, _, filter_name = key.partition(",")
+            if not filter_name or metric.endswith("_stderr"):
+                continue
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                suffix = "" if filter_name == "none" else f"/{filter_name}"
+                scores[f"eval/{task}/{metric}{suffix}"] = float(value)
+    return scores
