@@ -77,8 +77,9 @@ class KilnLM(TemplateLM):
         lengths = [len(continuation) for _, _, continuation in requests]
         if max(lengths, default=0) > self.max_length:
             raise KilnError(
-                f"a continuation of {max(lengths)} tokens is longer than the model's context of "
-                f"{self.max_length} tokens (model.max_seq_len): the harness cannot score it"
+                f"a continuation of {max(lengths)} tokens is longer than the context of "
+                f"{self.max_length} tokens the model is scored with (kiln eval --seq-len, "
+                "train.seq_len): the harness cannot score it"
             )
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
@@ -137,7 +138,8 @@ class KilnLM(TemplateLM):
             if max_new >= self.max_length:
                 raise KilnError(
                     f"task {request.task_name} generates up to {max_new} tokens, which leaves no "
-                    f"room for its prompt in the model's context of {self.max_length} tokens"
+                    f"room for its prompt in the context of {self.max_length} tokens the model "
+                    "is scored with (kiln eval --seq-len, train.seq_len)"
                 )
             # Left-truncated so that the prompt and the new tokens fit the context.
             prompt = self.tok_encode(context)[-(self.max_length - max_new) :] or [self._eos]
