@@ -5,7 +5,7 @@ A layout is a factorization of the GPU count into dp_replicate × dp_shard × cp
 (ep only for MoE models). Its validity is kiln's own validator's (kiln/config/validate.py), asked
 once per layout, and again for the pipeline's micro-batch rules per batch. Memory only grows with
 the micro-batch, so for each layout and mode the search stops at the first size that does not
-fit.
+fit; without a pipeline only the largest that fits is timed (it is the fastest).
 """
 
 from __future__ import annotations
@@ -134,8 +134,10 @@ def batch_choices(
     return [(b, per_rank // b, 0) for b in sizes]
 
 
-def evaluate(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> Candidate:
-    memory = estimate_memory(cfg, degrees)
+def evaluate(
+    cfg: JobConfig, degrees: dict[str, int], cluster: Cluster, memory: MemoryEstimate | None = None
+) -> Candidate:
+    memory = memory or estimate_memory(cfg, degrees)
     step = step_time(cfg, degrees, cluster)
     return Candidate(cfg, degrees, memory, step, fits(memory, cluster.gpu.memory_bytes))
 
@@ -161,14 +163,21 @@ def search(
                     if not collect_problems(with_batch(layout, b, "full"), cluster.gpus)
                 ]
             for mode in modes:
+                fitting = []
                 for batch in batches:
                     considered += 1
-                    candidate = evaluate(with_batch(layout, batch, mode), degrees, cluster)
-                    if not candidate.fits:
-                        if smallest is None or candidate.memory.total < smallest.memory.total:
-                            smallest = candidate
+                    cfg = with_batch(layout, batch, mode)
+                    memory = estimate_memory(cfg, degrees)
+                    if not fits(memory, cluster.gpu.memory_bytes):
+                        if smallest is None or memory.total < smallest.memory.total:
+                            smallest = evaluate(cfg, degrees, cluster)
                         break  # a larger micro-batch needs more memory still
-                    ranked.append(candidate)
+                    fitting.append((cfg, memory))
+                # Without a pipeline a larger micro-batch is never slower (fewer transfers per
+                # token): only the largest that fits is timed. A pipeline's bubble shrinks with
+                # more, smaller micro-batches: each is timed.
+                timed = fitting if degrees["pp"] > 1 else fitting[-1:]
+                ranked += [evaluate(cfg, degrees, cluster, memory) for cfg, memory in timed]
     # Fastest first; among equals (to 0.1%) the lighter on memory.
     ranked.sort(key=lambda c: (-float(f"{c.step.tokens_per_sec:.3g}"), c.memory.total))
     return PlanResult(cluster, ranked, considered, layouts, smallest)
