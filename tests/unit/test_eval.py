@@ -92,7 +92,11 @@ def test_kiln_adapter_scores_like_the_harness_hf_model(tiny):
         atol=TOLERANCE,
     )
     assert ours["tiny_generation"] == theirs["tiny_generation"]
-    assert any(len(text[0]) < 12 for text in ours["tiny_generation"])  # a stop sequence ended one
+    # The stop sequences mattered: unstopped, the first question's continuation runs past one.
+    prompt = kiln_lm.tok_encode("Q: what fires clay?\nA:")
+    unstopped = kiln_lm.runner.greedy(prompt, max_new_tokens=12, stop=lambda new: False)
+    text = kiln_lm.tok_decode(unstopped)
+    assert "e" in text and ours["tiny_generation"][0] == [[text.split("\n")[0].split("e")[0]]]
 
 
 def test_kiln_eval_perplexity_is_the_mean_token_loss(tiny, tmp_path):
@@ -165,10 +169,11 @@ def test_eval_tasks_during_training_are_logged(tiny, demo_data, tmp_path):
     args += ["--data.num_workers=0", "--train.max_steps=2", "--scheduler.warmup_steps=1"]
     args += ["--train.seq_len=32"]
     args += ["--train.batch_size=2", "--checkpoint.interval=0", "--checkpoint.save_final=false"]
-    args += ['--eval.tasks=["tiny_choice","tiny_perplexity"]', "--eval.tasks_interval=2"]
+    args += [f"--eval.tasks={json.dumps(TASKS)}", "--eval.tasks_interval=2"]
     args += [f"--eval.tasks_path={tiny['tasks']}", "--eval.tasks_limit=2"]
     assert main(args) == 0
     (last,) = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] == 2]
     assert 0 <= last["eval/tiny_choice/acc"] <= 1
     assert last["eval/tiny_perplexity/bits_per_byte"] > 0
+    assert last["eval/tiny_generation/exact_match"] == 0  # random weights
     assert "eval/loss" not in last  # eval.interval = 0: the held-out loss is not due
