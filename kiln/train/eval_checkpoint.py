@@ -49,7 +49,7 @@ class EvalRequest:
 
 def evaluate_checkpoint(request: EvalRequest) -> dict[str, Any]:
     """Every rank returns the same results: `eval/loss` and `eval/perplexity` (with data), the
-    harness's `scores` and `tasks` results (with tasks), and what was evaluated."""
+    tasks' `scores` and the `harness`'s report (with tasks), and what was evaluated."""
     step_dir = resolve_checkpoint(request.checkpoint)
     cfg, raw = eval_config(step_dir, request, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     tokenizer = find_tokenizer(step_dir)

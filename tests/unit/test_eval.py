@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from kiln.checkpoint import load_checkpoint, read_model_config, resolve_checkpoint
 from kiln.cli import main
+from kiln.config import load_config
 from kiln.data.tokenizer import load_tokenizer
+from kiln.errors import ConfigError
 from kiln.metrics.logger import read_metrics
 from kiln.model import build_model, materialize
 from tests.conftest import DEBUG_CONFIG
@@ -161,6 +163,16 @@ def test_data_of_another_vocabulary_is_one_error(tiny, tmp_path, capsys):
     assert vocab > 320
     assert f"vocabulary of {bigger} ({vocab} tokens) does not match the checkpoint's model" in err
     assert "vocabulary has 320 tokens" in err
+
+
+def test_eval_tasks_config_problems():
+    base = [f"--eval.tasks={json.dumps(TASKS)}", "--distributed.pp=2", "--model.n_layers=2"]
+    with pytest.raises(ConfigError) as error:
+        load_config(DEBUG_CONFIG, base, world_size=2)
+    assert "split by pp = 2" in str(error.value) and "kiln eval CKPT --tasks" in str(error.value)
+    assert "neither eval.tasks_interval nor eval.interval" in str(error.value)
+    with pytest.raises(ConfigError, match=r"eval\.tasks is empty"):
+        load_config(DEBUG_CONFIG, ["--eval.tasks_interval=5"], world_size=1)
 
 
 def test_eval_tasks_during_training_are_logged(tiny, demo_data, tmp_path):
