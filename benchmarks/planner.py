@@ -208,6 +208,32 @@ ROWS.append(
 )
 
 
+# kiln itself on one H100 80GB (benchmarks/gpu_runs.md): peak allocated in GB (10⁹ bytes),
+# fused AdamW, bf16 autocast over fp32 masters, the built-in corpus, compiled unless "eager".
+KILN_H100 = "kiln, one H100 80 GB"
+for name, preset, seq, batch, ac, memory_gb, tps in (
+    ("1B, eager, AC none", "llama3_1b", 2048, 4, "none", 46.96, 38_611),
+    ("1B, AC none", "llama3_1b", 2048, 4, "none", 42.67, 46_004),
+    ("1B, AC selective", "llama3_1b", 2048, 4, "selective", 36.99, 43_446),
+    ("1B, AC full", "llama3_1b", 2048, 4, "full", 31.31, 40_869),
+    ("1B, AC none, batch 2", "llama3_1b", 2048, 2, "none", 30.02, 36_015),
+    ("1B, AC full, batch 2", "llama3_1b", 2048, 2, "full", 23.37, 31_859),
+    ("3B, AC full, seq 4096", "llama3_3b", 4096, 2, "full", 57.09, 16_354),
+):
+    ROWS.append(
+        Row(
+            KILN_H100,
+            name,
+            {"preset": preset, "max_seq_len": seq},
+            1,
+            {},
+            {"seq_len": seq, "batch_size": batch, "activation_checkpointing": ac},
+            memory_gb * 1e9 / GIB,
+            tps,
+        )
+    )
+
+
 def predict(row: Row, impl: Implementation = KILN):
     raw = {"model": dict(row.model), "train": dict(row.train), "distributed": dict(row.layout)}
     cfg = config_from_dict(raw, world_size=row.gpus)
@@ -215,6 +241,8 @@ def predict(row: Row, impl: Implementation = KILN):
     degrees.update(row.layout)
     if row.source == REFERENCE:
         cluster = make_cluster(find_gpu("h200"), row.gpus, 4)
+    elif row.source == KILN_H100:
+        cluster = make_cluster(find_gpu("h100"), 1, 1)
     else:
         cluster = make_cluster(find_gpu("h100", memory_gb=96), row.gpus, 8)
     return estimate_memory(cfg, degrees, impl), step_time(cfg, degrees, cluster)
@@ -231,8 +259,8 @@ def memory_table() -> None:
         if row.memory_gib is None:
             continue
         memory, _ = predict(row)
-        # The reference reads the allocated peak, torchtitan the reserved one.
-        value = memory.total if row.source == REFERENCE else memory.reserved
+        # The reference and kiln read the allocated peak, torchtitan the reserved one.
+        value = memory.reserved if row.source == TORCHTITAN else memory.total
         terms = sorted(memory.terms().items(), key=lambda kv: -kv[1])[:3]
         shown = ", ".join(f"{k} {v / GIB:.1f}" for k, v in terms)
         print(
@@ -277,6 +305,11 @@ def orderings() -> None:
         "7B on 4 GPUs": ["7B, FSDP=4", "7B, TP=2 × FSDP=2", "7B, TP=4"],
         "32 GPUs, MFU by model": ["13B, TP=4 × FSDP=8", "7B, TP=4 × FSDP=8", "70B, TP=4 × FSDP=8"],
         "torchtitan CP (TPS/GPU)": [r.name for r in ROWS if "CP=" in r.name],
+        "kiln, 1B on one H100, AC modes (tok/s)": [
+            "1B, AC none",
+            "1B, AC selective",
+            "1B, AC full",
+        ],
         "best run at each GPU count (MFU)": [
             "7B, 1 GPU",
             "7B, FSDP=2",

@@ -60,13 +60,14 @@ def layout_report(cfg: JobConfig, world_size: int) -> list[str]:
         else ("", "")
     )
     lines.append(
-        f"memory per GPU (estimate): {_size(memory.total)} = model state "
+        f"memory per GPU (estimate): {_size(memory.total)} at the peak, of model state "
         f"{_size(memory.model_state)} (fp32 weights, grads, "
-        f"{OPTIMIZER_STATE[cfg.optimizer.name]}{experts[0]}) + activations "
-        f"{_size(memory.activations)} ({experts[1]}activation_checkpointing = "
-        f"{cfg.train.activation_checkpointing!r}) + logits {_size(memory.logits)} + gathered "
+        f"{OPTIMIZER_STATE[cfg.optimizer.name]}{experts[0]}), activations "
+        f"{_size(memory.activations + memory.recompute)} ({experts[1]}activation_checkpointing = "
+        f"{cfg.train.activation_checkpointing!r}), logits {_size(memory.logits)}, gathered "
         f"weights {_size(memory.gathered)}"
-        + (f" + all-to-all buffers {_size(memory.dispatch)}" if memory.dispatch else "")
+        + (f", all-to-all buffers {_size(memory.dispatch)}" if memory.dispatch else "")
+        + " (the gradients build up after the logits are freed)"
     )
     note = _expert_padding_note(cfg.model, layout) if cfg.model.num_experts > 0 else None
     if note:

@@ -9,7 +9,12 @@
                   weight copies autocast makes
   dispatch        expert parallel's all-to-all send and receive buffers of one MoE layer
 
-The sum is what `torch.cuda.max_memory_allocated` would read. PyTorch's caching allocator
+They do not all peak together. Gradients are set to None after each optimizer step and build
+up during the backward, after the loss has freed the logits; so the peak is the larger of the
+loss's moment (logits, no gradients yet but those of earlier micro-batches under gradient
+accumulation) and the backward's (every gradient, the block being recomputed), on top of the
+weights, optimizer state, gathered weights and kept activations (`peak_bytes`). That is what
+`torch.cuda.max_memory_allocated` would read. PyTorch's caching allocator
 reserves more than that (freed blocks it keeps, fragmentation) and CUDA's context and NCCL's
 buffers sit outside it: `reserved_bytes` adds `ALLOCATOR_OVERHEAD`, and a layout fits when that
 plus `CONTEXT_BYTES` is within the GPU's memory. It is an estimate for choosing a layout, not a
@@ -50,10 +55,12 @@ class MemoryEstimate:
     weights: float
     grads: float
     optimizer: float
-    activations: float
+    activations: float  # kept for backward, all micro-batches in flight
+    recompute: float = 0.0  # the block recomputed in backward and its gradients
     logits: float = 0.0
     gathered: float = 0.0
     dispatch: float = 0.0
+    accumulating: bool = False  # gradient accumulation: earlier micro-batches' gradients exist
 
     @property
     def model_state(self) -> float:
@@ -61,7 +68,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.model_state + self.activations + self.logits + self.gathered + self.dispatch
+        return peak_bytes(self)
 
     @property
     def reserved(self) -> float:
@@ -74,10 +81,21 @@ class MemoryEstimate:
             "grads": self.grads,
             "optimizer": self.optimizer,
             "activations": self.activations,
+            "recompute": self.recompute,
             "logits": self.logits,
             "gathered": self.gathered,
             "dispatch": self.dispatch,
         }
+
+
+def peak_bytes(e: MemoryEstimate) -> float:
+    """The larger of the two moments a step peaks at, on top of what is always there: the
+    loss's (logits; gradients only of earlier micro-batches) and the backward's (all gradients,
+    the block being recomputed)."""
+    always = e.weights + e.optimizer + e.gathered + e.dispatch + e.activations
+    at_loss = e.logits + (e.grads if e.accumulating else 0.0)
+    in_backward = e.grads + e.recompute
+    return always + max(at_loss, in_backward)
 
 
 def fits(estimate: MemoryEstimate, memory_bytes: float) -> bool:
@@ -143,12 +161,15 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Every term for `cfg` on the layout `degrees` (resolved: no -1)."""
     state = model_state(cfg.model, degrees, cfg.optimizer.name)
+    activations = activation_bytes(cfg, degrees, impl)
     return MemoryEstimate(
         weights=state.weights,
         grads=state.grads,
         optimizer=state.optimizer,
-        activations=activation_bytes(cfg, degrees, impl).total,
+        activations=activations.kept,
+        recompute=activations.recompute,
         logits=logit_bytes(cfg, degrees, impl),
         gathered=gathered_unit_bytes(cfg, degrees),
         dispatch=dispatch_bytes(cfg, degrees),
+        accumulating=cfg.train.grad_accum_steps > 1,
     )
