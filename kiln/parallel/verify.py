@@ -16,6 +16,7 @@ import math
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
@@ -99,30 +100,57 @@ def single_process_twin(proxy: JobConfig, world_size: int) -> JobConfig:
     return twin
 
 
-def verify(cfg: JobConfig, world_size: int, *, steps: int, data_path: str) -> bool:
-    """Run both, print a per-step table, return whether every step agrees within tolerance."""
+# Trains each (config, number of processes) and returns each run's metrics records by step.
+RunJobs = Callable[[list[tuple[JobConfig, int]], Path], list[dict[int, dict]]]
+
+
+def verify(
+    cfg: JobConfig,
+    world_size: int,
+    *,
+    steps: int,
+    data_path: str,
+    run_jobs: RunJobs | None = None,
+) -> bool:
+    """Run both, print a per-step table, return whether every step agrees within tolerance.
+    `run_jobs` trains the layout and its one-process twin; by default each is its own command
+    (torchrun for the layout), both at once."""
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
         proxy = proxy_config(
             cfg, world_size, steps=steps, run_dir=Path(tmp) / "layout", data_path=data_path
         )
         twin = single_process_twin(proxy, world_size)
-        # Both runs at once: the one-process run needs no GPU and no peer, and its start-up
-        # (importing torch) overlaps the layout's.
-        started = [_start(proxy, world_size, Path(tmp)), _start(twin, 1, Path(tmp))]
-        finished = [(*run, *run[2].communicate()) for run in started]
-        layout, reference = [_records(*run) for run in finished]
+        layout, reference = (run_jobs or launch_jobs)([(proxy, world_size), (twin, 1)], Path(tmp))
     return _report(layout, reference, proxy, world_size)
 
 
-def _start(cfg: JobConfig, nproc: int, tmp: Path) -> tuple[str, JobConfig, subprocess.Popen]:
+def launch_jobs(jobs: list[tuple[JobConfig, int]], tmp: Path) -> list[dict[int, dict]]:
+    """Each job as `kiln train` (under torchrun with more than one process), all at once: the
+    one-process run needs no GPU and no peer, and its start-up (importing torch) overlaps the
+    layout's."""
+    started = [_start(cfg, nproc, tmp) for cfg, nproc in jobs]
+    finished = [(*run, *run[2].communicate()) for run in started]
+    return [_records(*run) for run in finished]
+
+
+def write_recipe(cfg: JobConfig, tmp: Path) -> Path:
     recipe = tmp / f"{Path(cfg.metrics.run_dir).name}.toml"
     recipe.write_text(to_toml(cfg))
+    return recipe
+
+
+def read_records(cfg: JobConfig) -> dict[int, dict]:
+    lines = (Path(cfg.metrics.run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def _start(cfg: JobConfig, nproc: int, tmp: Path) -> tuple[str, JobConfig, subprocess.Popen]:
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         if nproc > 1
         else []
     )
-    command = [sys.executable, *launcher, "-m", "kiln", "train", str(recipe)]
+    command = [sys.executable, *launcher, "-m", "kiln", "train", str(write_recipe(cfg, tmp))]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return ("layout" if nproc > 1 else "one-process"), cfg, process
 
@@ -132,8 +160,7 @@ def _records(
 ) -> dict[int, dict]:
     if process.returncode != 0:
         raise KilnError(f"the {which} run failed:\n{_tail(stdout, stderr)}")
-    lines = (Path(cfg.metrics.run_dir) / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
+    return read_records(cfg)
 
 
 def _report(

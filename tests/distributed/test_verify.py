@@ -1,12 +1,20 @@
-"""`kiln verify` passes a correct layout and fails a deliberately broken one."""
+"""`kiln verify` passes a correct layout and fails a deliberately broken one.
+
+Two cases run the command as users do (torchrun for the layout, a failed run's message); the
+others hand verify's two runs to the shared gangs (workers.py), the same `kiln train` without
+starting torchrun and its processes for each."""
 
 import os
 import subprocess
 import sys
 
+import pytest
+
 from kiln.config import load_config, resolve_layout
-from kiln.parallel.verify import proxy_config, single_process_twin
+from kiln.parallel.verify import proxy_config, read_records, single_process_twin, write_recipe
+from kiln.parallel.verify import verify as verify_layout
 from tests.conftest import DEBUG_CONFIG, REPO
+from tests.distributed.workers import kiln_train
 
 
 def verify(demo_data, tmp_path, *extra, env=None, recipe=DEBUG_CONFIG, steps=4):
@@ -31,14 +39,34 @@ def verify(demo_data, tmp_path, *extra, env=None, recipe=DEBUG_CONFIG, steps=4):
     )
 
 
-def test_verify_passes_hsdp_with_expert_parallel(demo_data, tmp_path):
+@pytest.fixture
+def verify_on_gangs(gangs, demo_data, capsys):
+    """verify_on_gangs(recipe, world_size, *overrides, env=None) -> (passed, printed report)."""
+
+    def run(recipe, world_size, *overrides, env=None):
+        def run_jobs(jobs, tmp):
+            for cfg, nproc in jobs:
+                gangs.run(nproc, kiln_train, [str(write_recipe(cfg, tmp))], env=env)
+            return [read_records(cfg) for cfg, _ in jobs]
+
+        cfg = load_config(recipe, list(overrides))
+        capsys.readouterr()
+        passed = verify_layout(
+            cfg, world_size, steps=4, data_path=str(demo_data), run_jobs=run_jobs
+        )
+        return passed, capsys.readouterr().out
+
+    return run
+
+
+def test_verify_passes_hsdp_with_expert_parallel(verify_on_gangs):
     """The MoE recipe under HSDP × ep: the proxy keeps the 8 experts and top 2."""
     recipe = REPO / "configs" / "train" / "debug_moe.toml"
     layout = ["--distributed.dp_replicate=2", "--distributed.dp_shard=1", "--distributed.ep=2"]
-    result = verify(demo_data, tmp_path, "--world-size", "4", *layout, recipe=recipe)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "PASS" in result.stdout and "8 experts top-2" in result.stdout
-    assert "dp_replicate=2" in result.stdout and "ep=2" in result.stdout
+    passed, report = verify_on_gangs(recipe, 4, *layout)
+    assert passed, report
+    assert "PASS" in report and "8 experts top-2" in report
+    assert "dp_replicate=2" in report and "ep=2" in report
 
 
 def test_the_proxy_of_a_large_moe_recipe_keeps_experts_and_top_k(tmp_path):
@@ -49,12 +77,10 @@ def test_the_proxy_of_a_large_moe_recipe_keeps_experts_and_top_k(tmp_path):
     assert m.moe_ffn_hidden_dim == 32 and (proxy.distributed.ep, proxy.distributed.tp) == (2, 4)
 
 
-def test_averaged_instead_of_summed_gradients_are_caught(demo_data, tmp_path):
-    result = verify(
-        demo_data, tmp_path, "--distributed.dp_shard=2", env={"KILN_TEST_AVERAGE_GRADIENTS": "1"}
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAIL" in result.stdout and "<- differs" in result.stdout
+def test_averaged_instead_of_summed_gradients_are_caught(verify_on_gangs):
+    env = {"KILN_TEST_AVERAGE_GRADIENTS": "1"}
+    passed, report = verify_on_gangs(DEBUG_CONFIG, 2, "--distributed.dp_shard=2", env=env)
+    assert not passed and "FAIL" in report and "<- differs" in report, report
 
 
 def test_fsdp_before_tp_is_caught(demo_data, tmp_path):
@@ -96,17 +122,10 @@ def test_the_proxies_of_tp_and_zero_bubble_layouts_keep_their_structure(tmp_path
     assert twin.train.batch_size == 4 and twin.distributed.pp == 1
 
 
-def test_pipeline_gradients_scaled_twice_are_caught(demo_data, tmp_path):
-    result = verify(
-        demo_data,
-        tmp_path,
-        "--world-size",
-        "2",
-        "--distributed.pp=2",
-        env={"KILN_TEST_PP_SCALE_GRADS": "1"},
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAIL" in result.stdout and "<- differs" in result.stdout
+def test_pipeline_gradients_scaled_twice_are_caught(verify_on_gangs):
+    env = {"KILN_TEST_PP_SCALE_GRADS": "1"}
+    passed, report = verify_on_gangs(DEBUG_CONFIG, 2, "--distributed.pp=2", env=env)
+    assert not passed and "FAIL" in report and "<- differs" in report, report
 
 
 def test_verify_runs_a_shipped_recipe_as_it_is(demo_data, tmp_path):
