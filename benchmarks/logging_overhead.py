@@ -33,7 +33,9 @@ VARIANTS = {
 PROFILED = (8, 11)
 
 
-def run(config: str, overrides: list[str], *, steps: int, workdir: Path) -> list[dict]:
+def run(
+    config: str, overrides: list[str], *, steps: int, workdir: Path, log_interval: int = 1
+) -> list[dict]:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     cfg = load_config(
         config,
@@ -41,7 +43,7 @@ def run(config: str, overrides: list[str], *, steps: int, workdir: Path) -> list
             *overrides,
             f"--metrics.run_dir={run_dir}",
             f"--train.max_steps={steps}",
-            "--metrics.log_interval=1",
+            f"--metrics.log_interval={log_interval}",
             "--metrics.plot=false",
             "--checkpoint.interval=0",
             "--checkpoint.save_final=false",
@@ -65,6 +67,9 @@ def main() -> None:
     parser.add_argument("--config", default="configs/train/demo.toml")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--log-interval", type=int, default=1, help="logged steps (1: every step, the harshest)"
+    )
     args, extra = parser.parse_known_args()
     workdir = Path(tempfile.mkdtemp(prefix="kiln-logging-overhead-"))
     results: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -78,7 +83,15 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, overrides in VARIANTS.items():
             results[name].append(
-                steady(run(args.config, [*extra, *overrides], steps=args.steps, workdir=workdir))
+                steady(
+                    run(
+                        args.config,
+                        [*extra, *overrides],
+                        steps=args.steps,
+                        workdir=workdir,
+                        log_interval=args.log_interval,
+                    )
+                )
             )
         records = run(args.config, [*extra, *profile], steps=args.steps, workdir=workdir)
         # A record's window ends at its step: the traced steps are first..last; the step after
