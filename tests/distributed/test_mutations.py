@@ -36,7 +36,7 @@ def test_unreduced_norm_gradients_are_caught_only_by_the_per_parameter_norms(
     ("switch", "nproc", "layout"),
     [
         ("KILN_TEST_AVERAGE_GRADIENTS", 2, ["--distributed.dp_shard=2", "--train.batch_size=4"]),
-        ("KILN_TEST_PP_SCALE_GRADS", 2, ["--distributed.pp=2", "--model.n_layers=8"]),
+        ("KILN_TEST_PP_SCALE_GRADS", 2, ["--distributed.pp=2", "--model.n_layers=4"]),
     ],
     ids=["gradients averaged over dp_shard=2", "pipeline gradients scaled twice"],
 )

@@ -18,7 +18,11 @@ from tests.distributed.parity import (
 )
 from tests.distributed.workers import JobFailed
 
-# Eight layers: enough for pp=4 with two virtual stages per rank.
+# Four layers: one per stage at pp=2 with two virtual stages per rank, and at pp=4 with one.
+# Eight where pp=4 runs two virtual stages per rank. Every tensor-parallel and FSDP collective is
+# per layer, so the smaller model halves what the pp=2 runs spend (24.9 s -> 14.9 s for
+# pp=2 x tp=2 x dp_shard=2, benchmarks/test_suite.md).
+L4 = ("--model.n_layers=4",)
 L8 = ("--model.n_layers=8",)
 # Tied embeddings make steps 4-5 ill-conditioned: summing the batch's gradient as one batch of 8
 # or as 8 micro-batches of 1 moves the grad norm by 1e-5 even in one process. Pipelined runs
@@ -32,18 +36,22 @@ PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
 # keep 1e-5, and a real mistake moves a per-parameter norm by 10% or more (test_mutations.py).
 TIED_PARAM_TOLERANCE = 1e-4
 M2 = "--distributed.pp_microbatches=2"
-MASKED = (*L8, "--data.document_mask=true")
+MASKED = (*L4, "--data.document_mask=true")
 
 LAYOUTS = {
     **{
-        f"pp={pp} {name}": (pp, [f"--distributed.pp={pp}", *schedule(name)], L8)
+        f"pp={pp} {name}": (
+            pp,
+            [f"--distributed.pp={pp}", *schedule(name)],
+            L8 if pp * VIRTUAL_STAGES[name] > 4 else L4,
+        )
         for pp in (2, 4)
         for name in VIRTUAL_STAGES
     },
     # Tensor-parallel collectives over gloo dominate these runs: 2 micro-batches keep them short.
-    "pp=2 x tp=2": (4, ["--distributed.pp=2", "--distributed.tp=2", M2], L8),
+    "pp=2 x tp=2": (4, ["--distributed.pp=2", "--distributed.tp=2", M2], L4),
     # Saves checkpoints: test_pipelined_checkpoint_resumes_in_one_process continues them.
-    "pp=2 x dp_shard=2": (4, ["--distributed.pp=2", "--train.batch_size=4", SAVE], L8),
+    "pp=2 x dp_shard=2": (4, ["--distributed.pp=2", "--train.batch_size=4", SAVE], L4),
     "pp=2 x HSDP (dp_replicate=2)": (
         4,
         [
@@ -52,12 +60,12 @@ LAYOUTS = {
             "--distributed.dp_shard=1",
             "--train.batch_size=4",
         ],
-        L8,
+        L4,
     ),
     "pp=2 x tp=2 x dp_shard=2": (
         8,
         ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4", M2],
-        L8,
+        L4,
     ),
     "pp=2 zbv x dp_shard=2, selective AC": (
         4,
@@ -67,7 +75,7 @@ LAYOUTS = {
             "--train.batch_size=4",
             "--train.activation_checkpointing=selective",
         ],
-        L8,
+        L4,
     ),
     "pp=2 x dp_shard=2, full AC, 2 micro-batches x accum 2": (
         4,
@@ -77,16 +85,16 @@ LAYOUTS = {
             "--train.grad_accum_steps=2",
             "--train.activation_checkpointing=full",
         ],
-        L8,
+        L4,
     ),
-    "pp=2, explicit split 1+7, 2 micro-batches": (
+    "pp=2, explicit split 1+3, 2 micro-batches": (
         2,
         [
             "--distributed.pp=2",
-            "--distributed.pp_layers_per_stage=[1, 7]",
+            "--distributed.pp_layers_per_stage=[1, 3]",
             "--distributed.pp_microbatches=2",
         ],
-        L8,
+        L4,
     ),
     "pp=2, tied embeddings": (2, ["--distributed.pp=2"], TIED2),
     "pp=2 x tp=2, tied embeddings": (
@@ -132,20 +140,20 @@ def test_pipelined_checkpoint_resumes_in_one_process(references, runs, train, tm
     run = tmp_path / "run"
     step_5 = copy_to_resume(layout_run(runs, "pp=2 x dp_shard=2"), run)
     assert len(list(step_5.glob("*.distcp"))) == 4
-    (output,) = train(run, 1, f"--train.batch_size={GLOBAL_BATCH}", *L8)
+    (output,) = train(run, 1, f"--train.batch_size={GLOBAL_BATCH}", *L4)
     assert f"kiln: resumed from {step_5} (step 5)" in output
-    assert_parity(records(run), references(*L8), steps=range(6, STEPS + 1))
+    assert_parity(records(run), references(*L4), steps=range(6, STEPS + 1))
 
 
 def test_one_process_checkpoint_resumes_pipelined(references, runs, train, tmp_path):
     """Saved by one process (the reference run), resumed by pp=2 × tp=2 with interleaved
     virtual stages."""
     run = tmp_path / "run"
-    step_5 = copy_to_resume(runs(*reference_args(*L8)), run)
+    step_5 = copy_to_resume(runs(*reference_args(*L4)), run)
     pipelined = ["--distributed.pp=2", "--distributed.tp=2", *schedule("interleaved_1f1b")]
-    outputs = train(run, 4, *pipelined, f"--train.batch_size={GLOBAL_BATCH}", M2, *L8)
+    outputs = train(run, 4, *pipelined, f"--train.batch_size={GLOBAL_BATCH}", M2, *L4)
     assert f"kiln: resumed from {step_5} (step 5)" in outputs[0]
-    assert_parity(records(run), references(*L8), steps=range(6, STEPS + 1))
+    assert_parity(records(run), references(*L4), steps=range(6, STEPS + 1))
 
 
 def test_bad_schedule_settings_fail_on_every_rank_before_any_process_group(train, tmp_path):
