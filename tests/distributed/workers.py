@@ -32,9 +32,10 @@ from pathlib import Path
 JOB_TIMEOUT_S = 300
 # A worker with more threads than this is replaced before its next job. The gloo groups of the
 # last job of each mesh shape outlive it (DTensor's sharding cache holds the mesh) with three
-# idle threads each; a shape seen again replaces them, so the count levels off (156 on a 4-rank
-# gang after 9 shapes). Replacing a 4-rank gang costs ~10 s, so only a runaway count does.
-MAX_THREADS = 1000
+# threads each; with hundreds of them a whole run slows down several times over (97,000 context
+# switches a second, half the CPU in the kernel: benchmarks/test_suite.md), while replacing a
+# 4-rank gang costs ~10 s.
+MAX_THREADS = 120
 # After one rank fails, the others get this long to report their own error before the kill.
 GRACE_S = 10
 # Handlers a job may install (the Trainer's preemption flag): put back after every job.
@@ -149,7 +150,7 @@ class Gangs:
     def run(self, world_size: int, function, *args, env: dict | None = None) -> list[str]:
         gang = self.gangs.get(world_size)
         if gang is not None and gang.alive and gang.threads() > MAX_THREADS:
-            gang.close()  # a runaway count of leftover gloo threads: start afresh
+            gang.close()  # leftover gloo threads pile up and slow every job: start afresh
         if gang is None or not gang.alive:
             self.started += 1
             gang = Gang(world_size, self.log_dir / f"gang_{self.started}_of_{world_size}")
