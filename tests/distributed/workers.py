@@ -30,11 +30,9 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 JOB_TIMEOUT_S = 300
-# A worker with more threads than this is replaced before its next job. The gloo groups of the
-# last job of each mesh shape outlive it (DTensor's sharding cache holds the mesh) with three
-# threads each; with hundreds of them a whole run slows down several times over (97,000 context
-# switches a second, half the CPU in the kernel: benchmarks/test_suite.md), while replacing a
-# 4-rank gang costs ~10 s.
+# A worker with more threads than this is replaced before its next job: a safety net, since
+# each job's gloo groups are freed at its end (`_leave_process_group`); a whole run with
+# hundreds of leftover threads per worker took several times as long.
 MAX_THREADS = 120
 # After one rank fails, the others get this long to report their own error before the kill.
 GRACE_S = 10
@@ -150,7 +148,7 @@ class Gangs:
     def run(self, world_size: int, function, *args, env: dict | None = None) -> list[str]:
         gang = self.gangs.get(world_size)
         if gang is not None and gang.alive and gang.threads() > MAX_THREADS:
-            gang.close()  # leftover gloo threads pile up and slow every job: start afresh
+            gang.close()  # leftover gloo threads slow every job: start afresh
         if gang is None or not gang.alive:
             self.started += 1
             gang = Gang(world_size, self.log_dir / f"gang_{self.started}_of_{world_size}")
@@ -220,13 +218,30 @@ def _run(function, args: tuple, env: dict, log: str) -> str | None:
 
 def _leave_process_group() -> None:
     """A job that failed half-way leaves its process group up; the next job sets up its own.
-    Then the job's groups are freed: each gloo group keeps worker threads until its last
-    reference goes, and the meshes hold theirs in reference cycles that only the garbage
-    collector breaks (benchmarks/test_suite.md)."""
+    Then the job's groups are freed. Each gloo group keeps three threads until its last
+    reference goes, and DTensor's sharding caches (C++ and Python) hold the job's meshes, so
+    without this every mesh shape's last groups stay alive, and idle, their threads still take
+    CPU: 15% of a core for one 4-rank gang after six layouts, every gang alive taking its share
+    of every later test (benchmarks/test_suite.md)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if "torch.distributed.tensor" in sys.modules:
+        _clear_dtensor_caches()
     gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    import torch
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _forget_compiled_code() -> None:
