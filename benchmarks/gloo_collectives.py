@@ -1,0 +1,65 @@
+"""What FSDP's collectives cost on gloo: two ranks of one thread each on this machine's cores,
+buffers the size of FSDP units of the 29M model in fsdp_overhead.py (1 to 34 MB unsharded).
+
+Times, per call (mean of 10 after one warm-up), gloo's `all_gather_into_tensor`,
+`reduce_scatter_tensor` and `all_reduce` of the whole buffer, and a reduce-scatter built from
+`all_to_all_single` plus a local sum of the received slices:
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \\
+        benchmarks/gloo_collectives.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+SIZES_MB = (1, 8, 34)
+CALLS = 10
+
+
+def timed(op) -> float:
+    op()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        op()
+    return (time.perf_counter() - start) / CALLS * 1e3
+
+
+def row(megabytes: int, ranks: int) -> list[float]:
+    """Milliseconds per call of the four ways, for an unsharded buffer of `megabytes`."""
+    numel = megabytes * 2**20 // 4 // ranks * ranks
+    full, received = torch.randn(numel), torch.empty(numel)
+    shard = torch.randn(numel // ranks)
+
+    def all_to_all_sum() -> None:
+        dist.all_to_all_single(received, full)
+        torch.sum(received.view(ranks, -1), dim=0, out=shard)
+
+    return [
+        timed(lambda: dist.all_gather_into_tensor(full, shard)),
+        timed(lambda: dist.reduce_scatter_tensor(shard, full)),
+        timed(lambda: dist.all_reduce(full)),
+        timed(all_to_all_sum),
+    ]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ranks = dist.get_world_size()
+    if dist.get_rank() == 0:
+        print("| unsharded buffer | all-gather | reduce-scatter | all-reduce | all-to-all + sum |")
+        print("|---|---:|---:|---:|---:|")
+    for megabytes in SIZES_MB:
+        ms = row(megabytes, ranks)
+        if dist.get_rank() == 0:
+            print(f"| {megabytes} MB | " + " | ".join(f"{m:.1f} ms" for m in ms) + " |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
