@@ -23,8 +23,13 @@ demo: install
 
 # Bytecode written once for kiln and the tests, not compiled again in each of the suite's
 # hundreds of processes (an environment with PYTHONDONTWRITEBYTECODE set would).
+# Two phases: the parity tests on the gangs of spawned workers (their ranks keep every core
+# busy), then the rest, mostly one-process tests and subprocess runs that leave a core idle, on
+# two pytest workers of one thread each (benchmarks/test_suite.md).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
 test: install lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
+	$(PYTEST) -m gang
+	OMP_NUM_THREADS=1 $(PYTEST) -m "not gang" -n 2 --dist worksteal
 
 lint: install
 	$(BIN)/ruff check .

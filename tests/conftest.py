@@ -14,6 +14,14 @@ DEBUG_CONFIG = REPO / "configs" / "train" / "debug.toml"
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Mark the tests that run on the gangs of spawned workers: `make test` runs them in one
+    pytest process (one set of gangs, every core theirs), and the rest on two workers."""
+    for item in items:
+        if "gangs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gang)
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
     from kiln.data.demo_corpus import ensure_demo_corpus
