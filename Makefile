@@ -28,7 +28,7 @@ demo: install
 # two pytest workers of one thread each (benchmarks/test_suite.md).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
 test: install lint
-	$(PYTEST) -m gang
+	$(PYTEST) -m gang tests/distributed
 	OMP_NUM_THREADS=1 $(PYTEST) -m "not gang" -n 2 --dist worksteal
 
 lint: install

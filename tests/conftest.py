@@ -15,10 +15,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Mark the tests that run on the gangs of spawned workers: `make test` runs them in one
-    pytest process (one set of gangs, every core theirs), and the rest on two workers."""
+    """Mark the tests that run on the gangs of worker processes: `make test` runs them in one
+    pytest process over tests/distributed (one set of gangs, every core theirs), then the rest
+    on two workers."""
     for item in items:
         if "gangs" in getattr(item, "fixturenames", ()):
+            if REPO / "tests" / "distributed" not in item.path.parents:
+                raise pytest.UsageError(
+                    f"{item.nodeid} uses the gangs: move it to tests/distributed"
+                )
             item.add_marker(pytest.mark.gang)
 
 
