@@ -23,7 +23,7 @@ demo: install
 
 # Bytecode written once for kiln and the tests, not compiled again in each of the suite's
 # hundreds of processes (an environment with PYTHONDONTWRITEBYTECODE set would).
-# Two phases: the parity tests on the gangs of spawned workers (their ranks keep every core
+# Two phases: the parity tests on the gangs of worker processes (their ranks keep every core
 # busy), then the rest, mostly one-process tests and subprocess runs that leave a core idle, on
 # two pytest workers of one thread each (benchmarks/test_suite.md).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q

@@ -3,11 +3,11 @@
 A parity job trains ten small steps; starting torchrun and N Python processes that each import
 torch costs more than that on two cores. A gang starts its N processes once (one thread each,
 forked from a fork server that imported torch and kiln once for all gangs) and then runs jobs
-in sequence. A job is a module-level function
-called on every rank with the same arguments; `kiln_train` is `kiln train` itself: the same
-`kiln.cli.main`, so the config is built and the Trainer run exactly as on the command line, and
-the process group is set up from env:// (a fresh port per job) and torn down at the clean end of
-the job, as `kiln train` does under torchrun. Environment switches (KILN_TEST_*) are set for one
+in sequence. A job is a module-level function called on every rank with the same arguments;
+`kiln_train` is `kiln train` itself: the same `kiln.cli.main`, so the config is built and the
+Trainer run exactly as on the command line, and the process group is set up from env:// (a
+fresh port per job) and torn down at the clean end of the job, as `kiln train` does under
+torchrun. Environment switches (KILN_TEST_*) are set for one
 job only and every job gets its own output file per rank.
 
 A job that fails on any rank (an exception, a non-zero exit, a dead process) or runs past its
@@ -193,7 +193,7 @@ def kiln_train(args: list[str]) -> None:
 def serve(rank: int, world_size: int, conn, log: str) -> None:
     """A worker's life: set up the rank once, then run jobs until told to stop (None)."""
     _redirect_output(log)
-    os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the processes a job starts (data loader workers)
     if world_size > 1:  # one process runs as plain `kiln train`, without these
         os.environ.update(
             RANK=str(rank),
