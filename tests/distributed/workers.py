@@ -7,8 +7,8 @@ in sequence. A job is a module-level function called on every rank with the same
 `kiln_train` is `kiln train` itself: the same `kiln.cli.main`, so the config is built and the
 Trainer run exactly as on the command line, and the process group is set up from env:// (a
 fresh port per job) and torn down at the clean end of the job, as `kiln train` does under
-torchrun. Environment switches (KILN_TEST_*) are set for one
-job only and every job gets its own output file per rank.
+torchrun. Environment switches (KILN_TEST_*) are set for one job only and every job gets its
+own output file per rank.
 
 A job that fails on any rank (an exception, a non-zero exit, a dead process) or runs past its
 time limit is reported with every rank's traceback and output. When every rank answered (each
@@ -55,6 +55,9 @@ PRELOAD = [
     "torch.distributed.pipelining",
     "torch.distributed.tensor.parallel",
 ]
+# The fork server starts with the first gang; the preload list applies from then on.
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload(PRELOAD)
 
 NO_ANSWER = "no answer in time (hung, or waiting for a rank that failed)"
 DIED = "the process died"
@@ -77,12 +80,10 @@ class Gang:
     def __init__(self, world_size: int, log_dir: Path):
         self.world_size, self.log_dir, self.jobs = world_size, log_dir, 0
         log_dir.mkdir(parents=True, exist_ok=True)
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
         self.conns, self.procs = [], []
         for rank in range(world_size):
-            parent, child = context.Pipe()
-            proc = context.Process(
+            parent, child = FORKS.Pipe()
+            proc = FORKS.Process(
                 target=serve,
                 args=(rank, world_size, child, str(log_dir / f"rank_{rank}.txt")),
                 name=f"gang{world_size}-rank{rank}",
