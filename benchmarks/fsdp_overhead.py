@@ -10,9 +10,13 @@ Two arms on a 29M-parameter Llama (dim 512, 8 layers, 8 heads, 4 KV heads, ffn 1
 
 Each run's throughput is the total tokens over the total time of the logged windows after
 --skip steps (`tokens_per_sec` of metrics.jsonl; windows of equal token counts, so the harmonic
-mean); the ratio b/a is taken pair by pair, so drift in machine load hits both arms alike.
+mean); the ratio b/a is taken round by round, so drift in machine load hits both arms alike.
+`--variant ARGS` adds an arm (b) with more overrides to each round, to compare FSDP settings
+side by side:
 
     python benchmarks/fsdp_overhead.py --pairs 3 --steps 24 --skip 8
+    python benchmarks/fsdp_overhead.py --pairs 4 \
+        --variant=--distributed.shared_memory_collectives=false
 
 `profile` runs a few steps in-process under torch.profiler and prints the top ops and the time
 per step of FSDP's own ranges, collectives and the optimizer (rank 0 under torchrun):
@@ -96,32 +100,37 @@ def load_average() -> float:
 
 
 def compare(args: argparse.Namespace, extra: list[str]) -> None:
+    # Arm (b) as given, then one more arm (b) per --variant, with its overrides on top.
+    arms = {"a": ("a", extra), "b": ("b", extra)}
+    for index, variant in enumerate(args.variant, start=2):
+        arms[f"b{index}"] = ("b", [*extra, *variant.split()])
     rows = []
     for pair in range(args.pairs):
         row = {"load": load_average()}
-        for arm in ("a", "b"):
-            records = run_arm(arm, steps=args.steps, log_interval=args.log_interval, extra=extra)
-            row[arm] = steady_tok_s(records, skip=args.skip, log_interval=args.log_interval)
-        row["ratio"] = row["b"] / row["a"]
+        for name, (arm, overrides) in arms.items():
+            records = run_arm(
+                arm, steps=args.steps, log_interval=args.log_interval, extra=overrides
+            )
+            row[name] = steady_tok_s(records, skip=args.skip, log_interval=args.log_interval)
         rows.append(row)
+        ratios = ", ".join(f"{name}/a {row[name] / row['a']:.3f}" for name in arms if name != "a")
+        speeds = ", ".join(f"{name} {row[name]:,.0f}" for name in arms)
         print(
-            f"pair {pair + 1}: a {row['a']:,.0f} tok/s, b {row['b']:,.0f} tok/s, "
-            f"b/a {row['ratio']:.3f} (load {row['load']:.2f} before)",
+            f"round {pair + 1}: {speeds} tok/s; {ratios} (load {row['load']:.2f} before)",
             flush=True,
         )
     print(f"\n{args.steps} steps, log interval {args.log_interval}, steps > {args.skip} counted")
-    print("| arm | median tok/s | min | max |")
-    print("|---|---|---|---|")
-    for name, key in (("(a) 1 process x 2 threads", "a"), ("(b) dp_shard=2 x 1 thread", "b")):
-        values = [row[key] for row in rows]
+    for index, variant in enumerate(args.variant, start=2):
+        print(f"(b{index}): arm (b) with {variant}")
+    print("| arm | median tok/s | min | max | median ratio to (a), round by round |")
+    print("|---|---|---|---|---|")
+    for name in arms:
+        values = [row[name] for row in rows]
+        ratios = [row[name] / row["a"] for row in rows]
         print(
-            f"| {name} | {statistics.median(values):,.0f} | {min(values):,.0f} | {max(values):,.0f} |"
+            f"| ({name}) | {statistics.median(values):,.0f} | {min(values):,.0f} | "
+            f"{max(values):,.0f} | {statistics.median(ratios):.3f} |"
         )
-    ratios = [row["ratio"] for row in rows]
-    print(
-        f"| b/a, pair by pair | {statistics.median(ratios):.3f} | {min(ratios):.3f} | "
-        f"{max(ratios):.3f} |"
-    )
 
 
 def profile(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -151,6 +160,9 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
         trainer.train_step()
     plain = (time.perf_counter() - started) / args.profile_steps
     cpu = (time.process_time() - cpu_started) / args.profile_steps
+    # Every rank's own CPU time: the wall time it did not use is time spent waiting for a peer.
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    print(f"rank {rank}: {1e3 * plain:.0f} ms/step, {1e3 * cpu:.0f} ms CPU time", flush=True)
     if not trainer.parallel.is_main:
         return
     steps = args.profile_steps
@@ -181,7 +193,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("mode", nargs="?", choices=("compare", "profile"), default="compare")
-    parser.add_argument("--pairs", type=int, default=3, help="a/b pairs, alternating")
+    parser.add_argument("--pairs", type=int, default=3, help="rounds of the arms, alternating")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="one more arm (b) with these overrides, e.g. "
+        "'--distributed.shared_memory_collectives=false' (repeatable)",
+    )
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--log-interval", type=int, default=4)
     parser.add_argument("--skip", type=int, default=8, help="steps not counted (warm-up)")

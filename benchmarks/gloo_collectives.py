@@ -3,7 +3,8 @@ buffers the size of FSDP units of the 29M model in fsdp_overhead.py (1 to 34 MB 
 
 Times, per call (mean of 10 after one warm-up), gloo's `all_gather_into_tensor`,
 `reduce_scatter_tensor` and `all_reduce` of the whole buffer, and a reduce-scatter built from
-`all_to_all_single` plus a local sum of the received slices:
+`all_to_all_single` plus a local sum of the received slices, and kiln's shared-memory all-gather
+and reduce-scatter (kiln/parallel/shared_memory_collectives.py), checked equal to gloo's:
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         benchmarks/gloo_collectives.py
@@ -15,6 +16,11 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from kiln.parallel.shared_memory_collectives import (
+    SharedMemoryAllGather,
+    SharedMemoryReduceScatter,
+)
 
 SIZES_MB = (1, 8, 34)
 CALLS = 10
@@ -29,11 +35,20 @@ def timed(op) -> float:
     return (time.perf_counter() - start) / CALLS * 1e3
 
 
-def row(megabytes: int, ranks: int) -> list[float]:
-    """Milliseconds per call of the four ways, for an unsharded buffer of `megabytes`."""
+def row(megabytes: int, ranks: int, groups: dict) -> list[float]:
+    """Milliseconds per call of the six ways, for an unsharded buffer of `megabytes`."""
     numel = megabytes * 2**20 // 4 // ranks * ranks
     full, received = torch.randn(numel), torch.empty(numel)
     shard = torch.randn(numel // ranks)
+    world = dist.group.WORLD
+    shared_gather, shared_reduce = SharedMemoryAllGather(groups), SharedMemoryReduceScatter(groups)
+    gathered, reduced = torch.empty(numel), torch.empty(numel // ranks)
+    dist.all_gather_into_tensor(gathered, shard)
+    shared_gather(full, shard, world)
+    assert torch.equal(full, gathered), "shared-memory all-gather differs from gloo's"
+    dist.reduce_scatter_single(reduced, full)
+    shared_reduce(shard, full, world, dist.ReduceOp.SUM)
+    assert torch.equal(shard, reduced), "shared-memory reduce-scatter differs from gloo's"
 
     def all_to_all_sum() -> None:
         dist.all_to_all_single(received, full)
@@ -41,9 +56,11 @@ def row(megabytes: int, ranks: int) -> list[float]:
 
     return [
         timed(lambda: dist.all_gather_into_tensor(full, shard)),
-        timed(lambda: dist.reduce_scatter_tensor(shard, full)),
+        timed(lambda: dist.reduce_scatter_single(shard, full)),
         timed(lambda: dist.all_reduce(full)),
         timed(all_to_all_sum),
+        timed(lambda: shared_gather(full, shard, world)),
+        timed(lambda: shared_reduce(shard, full, world, dist.ReduceOp.SUM)),
     ]
 
 
@@ -52,10 +69,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     ranks = dist.get_world_size()
     if dist.get_rank() == 0:
-        print("| unsharded buffer | all-gather | reduce-scatter | all-reduce | all-to-all + sum |")
-        print("|---|---:|---:|---:|---:|")
+        print(
+            "| unsharded buffer | all-gather | reduce-scatter | all-reduce | all-to-all + sum "
+            "| shared-memory all-gather | shared-memory reduce-scatter |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|")
+    groups: dict = {}
     for megabytes in SIZES_MB:
-        ms = row(megabytes, ranks)
+        ms = row(megabytes, ranks, groups)
         if dist.get_rank() == 0:
             print(f"| {megabytes} MB | " + " | ".join(f"{m:.1f} ms" for m in ms) + " |")
     dist.destroy_process_group()

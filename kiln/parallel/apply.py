@@ -26,6 +26,7 @@ from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.mixed_precision import fsdp_policy
 from kiln.parallel.mutations import mutation_on
 from kiln.parallel.pipeline import split_into_stages
+from kiln.parallel.shared_memory_collectives import use_shared_memory_collectives
 from kiln.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -85,6 +86,8 @@ def apply_parallelism(
                 block.compile()
         if sharded and not wrong_order:
             shard(part)
+    if sharded and _device(parallel).type == "cpu" and cfg.distributed.shared_memory_collectives:
+        use_shared_memory_collectives(parts)
     return parts
 
 
