@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kiln.parallel.shared_memory_collectives import (
     SharedMemoryAllGather,
+    SharedMemoryBuffers,
     SharedMemoryReduceScatter,
 )
 
@@ -35,13 +36,16 @@ def timed(op) -> float:
     return (time.perf_counter() - start) / CALLS * 1e3
 
 
-def row(megabytes: int, ranks: int, groups: dict) -> list[float]:
+def row(megabytes: int, ranks: int, buffers: SharedMemoryBuffers) -> list[float]:
     """Milliseconds per call of the six ways, for an unsharded buffer of `megabytes`."""
     numel = megabytes * 2**20 // 4 // ranks * ranks
     full, received = torch.randn(numel), torch.empty(numel)
     shard = torch.randn(numel // ranks)
     world = dist.group.WORLD
-    shared_gather, shared_reduce = SharedMemoryAllGather(groups), SharedMemoryReduceScatter(groups)
+    shared_gather, shared_reduce = (
+        SharedMemoryAllGather(buffers),
+        SharedMemoryReduceScatter(buffers),
+    )
     gathered, reduced = torch.empty(numel), torch.empty(numel // ranks)
     dist.all_gather_into_tensor(gathered, shard)
     shared_gather(full, shard, world)
@@ -74,9 +78,9 @@ def main() -> None:
             "| shared-memory all-gather | shared-memory reduce-scatter |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|")
-    groups: dict = {}
+    buffers = SharedMemoryBuffers(largest_bytes=max(SIZES_MB) * 2**20)
     for megabytes in SIZES_MB:
-        ms = row(megabytes, ranks, groups)
+        ms = row(megabytes, ranks, buffers)
         if dist.get_rank() == 0:
             print(f"| {megabytes} MB | " + " | ".join(f"{m:.1f} ms" for m in ms) + " |")
     dist.destroy_process_group()

@@ -30,19 +30,20 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-# Both halves of a group's buffer together; each rank's slot is this divided by 2 x ranks.
+# Both halves of a group's buffer together, at most; each rank's slot is this over 2 x ranks.
 BUFFER_BYTES = 128 * 2**20
 ALIGNMENT = 64
 
 
 class SharedMemoryGroup:
-    """The shared buffer of one process group, or None where its ranks cannot share one."""
+    """The shared buffer of one process group (`halves`), or None where its ranks cannot share
+    one. Each rank's slot holds `slot_bytes` (a multiple of ALIGNMENT)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, slot_bytes: int) -> None:
         self.group = group
         self.ranks = group.size()
         self.rank = group.rank()
-        self.slot_bytes = BUFFER_BYTES // (2 * self.ranks) // ALIGNMENT * ALIGNMENT
+        self.slot_bytes = slot_bytes
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._pieces = 0
         self.halves = self._map_buffer()
@@ -106,18 +107,31 @@ def _create_buffer_file(nbytes: int) -> str:
     return path
 
 
-class SharedMemoryComm:
-    """Base of the two collectives; both use one buffer per group (`groups`, shared), created at
-    the group's first collective."""
+class SharedMemoryBuffers:
+    """The buffers of the groups the collectives have used, one per group, created at the group's
+    first collective: slots of `largest_bytes` (a collective's share of one rank; larger ones go
+    in pieces), or of what BUFFER_BYTES allows for the group if that is less."""
 
-    def __init__(self, groups: dict[dist.ProcessGroup, SharedMemoryGroup]) -> None:
-        self._groups = groups
+    def __init__(self, largest_bytes: int) -> None:
+        self.largest_bytes = largest_bytes
+        self._groups: dict[dist.ProcessGroup, SharedMemoryGroup] = {}
 
-    def shared(self, group: dist.ProcessGroup) -> SharedMemoryGroup | None:
+    def of(self, group: dist.ProcessGroup) -> SharedMemoryGroup | None:
         if group not in self._groups:
-            self._groups[group] = SharedMemoryGroup(group)
+            most = BUFFER_BYTES // (2 * group.size())
+            # At least one 8-byte element per rank in a reduce-scatter's piece.
+            least = ALIGNMENT * group.size()
+            slot_bytes = -(-max(least, min(self.largest_bytes, most)) // ALIGNMENT) * ALIGNMENT
+            self._groups[group] = SharedMemoryGroup(group, slot_bytes)
         found = self._groups[group]
         return found if found.halves is not None else None
+
+
+class SharedMemoryComm:
+    """Base of the two collectives; both use the same buffers."""
+
+    def __init__(self, buffers: SharedMemoryBuffers) -> None:
+        self.buffers = buffers
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
@@ -133,7 +147,7 @@ class SharedMemoryAllGather(SharedMemoryComm, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        shared = self.shared(group)
+        shared = self.buffers.of(group)
         if shared is None:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
         sent = input_tensor.reshape(-1).view(torch.uint8)
@@ -161,7 +175,7 @@ class SharedMemoryReduceScatter(SharedMemoryComm, ReduceScatter):
         op: dist.ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
-        shared = self.shared(group)
+        shared = self.buffers.of(group)
         if shared is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return dist.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
         ranks, size, me = shared.ranks, output_tensor.numel(), shared.rank
@@ -193,9 +207,11 @@ class SharedMemoryReduceScatter(SharedMemoryComm, ReduceScatter):
 
 def use_shared_memory_collectives(parts: list[nn.Module]) -> None:
     """Route the all-gathers and reduce-scatters of every FSDP unit in `parts` through shared
-    memory (CPU only; call after the last `fully_shard`)."""
-    groups: dict[dist.ProcessGroup, SharedMemoryGroup] = {}
-    gather, reduce = SharedMemoryAllGather(groups), SharedMemoryReduceScatter(groups)
+    memory (CPU only; call after the last `fully_shard`). Slots as large as the model's fp32
+    parameters, if the cap allows: a small model's buffers cost little to create."""
+    model_bytes = 4 * sum(p.numel() for part in parts for p in part.parameters())
+    buffers = SharedMemoryBuffers(largest_bytes=model_bytes)
+    gather, reduce = SharedMemoryAllGather(buffers), SharedMemoryReduceScatter(buffers)
     for part in parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):

@@ -1,5 +1,6 @@
 """Gang jobs for FP8 on gloo, which has no float8 dtype: float8 all-gathers (FSDP's of weights,
-tensor parallel's of activations) move the same bytes as uint8. NCCL takes float8 directly."""
+tensor parallel's of activations) move the same bytes as uint8. NCCL takes float8 directly, and
+so do kiln's shared-memory all-gathers (FSDP's on CPU by default), which move bytes."""
 
 import contextlib
 
@@ -21,14 +22,20 @@ def kiln_train_gathering_float8_as_bytes(args: list[str]) -> None:
 
 @contextlib.contextmanager
 def _fsdp_gathers_as_bytes(counts: dict[str, int]):
-    """FSDP2 gathers its float8 weight shards with all_gather_single."""
+    """FSDP2 gathers its float8 weight shards with all_gather_single on gloo, or with kiln's
+    shared-memory all-gather (kiln's default on CPU), which moves bytes of any dtype: counted."""
     import torch
     import torch.distributed as dist
 
-    gather = dist.all_gather_single
+    from kiln.parallel.shared_memory_collectives import SharedMemoryAllGather
+
+    gather, shared_gather = dist.all_gather_single, SharedMemoryAllGather.__call__
+
+    def is_float8(tensor) -> bool:
+        return str(tensor.dtype).removeprefix("torch.") in FLOAT8_DTYPES
 
     def as_bytes(output_tensor, input_tensor, *args, **kwargs):
-        if str(input_tensor.dtype).removeprefix("torch.") in FLOAT8_DTYPES:
+        if is_float8(input_tensor):
             counts["fsdp"] += 1
             output_tensor, input_tensor = (
                 output_tensor.view(torch.uint8),
@@ -36,11 +43,15 @@ def _fsdp_gathers_as_bytes(counts: dict[str, int]):
             )
         return gather(output_tensor, input_tensor, *args, **kwargs)
 
-    dist.all_gather_single = as_bytes
+    def counted(self, output_tensor, input_tensor, *args, **kwargs):
+        counts["fsdp"] += is_float8(input_tensor)
+        return shared_gather(self, output_tensor, input_tensor, *args, **kwargs)
+
+    dist.all_gather_single, SharedMemoryAllGather.__call__ = as_bytes, counted
     try:
         yield
     finally:
-        dist.all_gather_single = gather
+        dist.all_gather_single, SharedMemoryAllGather.__call__ = gather, shared_gather
 
 
 @contextlib.contextmanager

@@ -34,15 +34,11 @@ def seeded(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def check_collectives() -> None:
     dist.init_process_group("gloo")
-    default_bytes, shm.BUFFER_BYTES = (
-        shm.BUFFER_BYTES,
-        4096,
-    )  # slots of 512 B on 4 ranks, 1 KiB on 2
     try:
         rank = dist.get_rank()
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         groups = {"world": dist.group.WORLD, "pair": pairs[rank // 2]}
-        buffers: dict = {}
+        buffers = shm.SharedMemoryBuffers(largest_bytes=512)  # many pieces
         gather = shm.SharedMemoryAllGather(buffers)
         reduce = shm.SharedMemoryReduceScatter(buffers)
         for group in groups.values():
@@ -71,12 +67,11 @@ def check_collectives() -> None:
                         if op == dist.ReduceOp.AVG:
                             want /= ranks
                         assert torch.equal(out, want), (dtype, numel, op)
-        assert all(shared.halves is not None for shared in buffers.values())
-        assert len(buffers) == 2  # the world and this rank's pair, shared by both collectives
+        assert all(buffers.of(group) is not None for group in groups.values())
+        assert len(buffers._groups) == 2  # the world and this rank's pair, for both collectives
         dist.barrier()
         assert not glob.glob("/dev/shm/kiln-fsdp-*"), "a shared-memory buffer file was left"
     finally:
-        shm.BUFFER_BYTES = default_bytes  # the gang's processes run later jobs
         dist.destroy_process_group()
 
 
