@@ -149,7 +149,7 @@ class SharedMemoryAllGather(SharedMemoryComm, AllGather):
     ) -> dist.Work | None:
         shared = self.buffers.of(group)
         if shared is None:
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+            return dist.all_gather_single(output_tensor, input_tensor, group, async_op)
         sent = input_tensor.reshape(-1).view(torch.uint8)
         gathered = output_tensor.view(torch.uint8).view(shared.ranks, sent.numel())
         me = shared.rank
@@ -205,12 +205,15 @@ class SharedMemoryReduceScatter(SharedMemoryComm, ReduceScatter):
         return None
 
 
-def use_shared_memory_collectives(parts: list[nn.Module]) -> None:
+def use_shared_memory_collectives(
+    parts: list[nn.Module], buffers: SharedMemoryBuffers | None = None
+) -> None:
     """Route the all-gathers and reduce-scatters of every FSDP unit in `parts` through shared
-    memory (CPU only; call after the last `fully_shard`). Slots as large as the model's fp32
-    parameters, if the cap allows: a small model's buffers cost little to create."""
-    model_bytes = 4 * sum(p.numel() for part in parts for p in part.parameters())
-    buffers = SharedMemoryBuffers(largest_bytes=model_bytes)
+    memory (CPU only; call after the last `fully_shard`). `buffers` None: slots as large as the
+    model's fp32 parameters, if the cap allows (a small model's buffers cost little to create)."""
+    if buffers is None:
+        model_bytes = 4 * sum(p.numel() for part in parts for p in part.parameters())
+        buffers = SharedMemoryBuffers(largest_bytes=model_bytes)
     gather, reduce = SharedMemoryAllGather(buffers), SharedMemoryReduceScatter(buffers)
     for part in parts:
         for module in part.modules():

@@ -5,7 +5,8 @@ reduce-scatter equals the sum (or average) in rank order that each rank computes
 the other ranks' seeded inputs, the all-gather into a separate output and in place, for fp32 and bf16, with buffers small enough that every
 collective goes in several pieces and ends on a ragged one. Then FSDP itself: a model sharded
 over 2 ranks produces bitwise the gradients with the shared-memory collectives that it produces
-with gloo's. Nothing is left in /dev/shm.
+with gloo's, and so does one whose buffer cannot be reserved (it falls back to gloo, with one
+warning). Nothing is left in /dev/shm.
 """
 
 import glob
@@ -24,7 +25,10 @@ def test_collectives_match_gloo_in_pieces_and_groups(gangs):
 
 
 def test_fsdp_gradients_are_bitwise_those_of_gloo(gangs):
-    gangs.run(2, check_fsdp_gradients)
+    outputs = gangs.run(2, check_fsdp_gradients)
+    # The third model's buffer cannot be reserved: rank 0 says so once, both ranks use gloo.
+    warnings = [output.count("collectives stay on gloo") for output in outputs]
+    assert warnings == [1, 0], outputs
 
 
 def seeded(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -77,21 +81,26 @@ def check_collectives() -> None:
 
 def check_fsdp_gradients() -> None:
     dist.init_process_group("gloo")
+    default_bytes = shm.BUFFER_BYTES
     try:
         mesh = init_device_mesh("cpu", (2,))
         grads = []
-        for shared in (False, True):
+        for way in ("gloo", "shared memory", "no room"):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 5))
             for layer in (model[0], model[2]):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            if shared:
+            if way == "shared memory":
                 shm.use_shared_memory_collectives([model])
+            elif way == "no room":  # a 1 EiB buffer: no file system reserves it
+                shm.BUFFER_BYTES = 2**60
+                shm.use_shared_memory_collectives([model], shm.SharedMemoryBuffers(2**60))
             inputs = torch.randn(8, 33, generator=torch.Generator().manual_seed(dist.get_rank()))
             model(inputs).square().mean().backward()
             grads.append([p.grad.to_local().clone() for p in model.parameters()])
-        for gloo_grad, shared_grad in zip(*grads, strict=True):
-            assert torch.equal(gloo_grad, shared_grad)
+        for gloo_grad, *shared_grads in zip(*grads, strict=True):
+            assert all(torch.equal(gloo_grad, shared_grad) for shared_grad in shared_grads)
     finally:
+        shm.BUFFER_BYTES = default_bytes  # the gang's processes run later jobs
         dist.destroy_process_group()
