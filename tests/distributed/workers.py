@@ -122,7 +122,7 @@ class Gang:
         errors = self._collect(timeout)
         del store
         with (self.log_dir / "jobs.tsv").open("a") as times:  # benchmarks/test_suite.md
-            times.write(f"{self.jobs}\t{time.monotonic() - started:.2f}\t{args!r:.300}\n")
+            times.write(f"{self.jobs}\t{time.monotonic() - started:.2f}\t{args!r}\n")
         outputs = [log.read_text() if log.exists() else "" for log in logs]
         if errors:
             if not (self.alive and all(rank_answered(e) for e in errors.values())):
