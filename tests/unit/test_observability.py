@@ -75,7 +75,10 @@ def test_backends_hold_what_metrics_jsonl_holds_across_a_resume(tmp_path, demo_d
     run_id = (run / WANDB_ID_FILE).read_text().strip()
     files = sorted(run.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 2  # both attempts, one run id
-    first, resumed = (history(f) for f in files)
+    # Told apart by their first step, not by their folders' names: W&B names a folder by the
+    # second the attempt started, and a second attempt in the same second gets `<name>-1`,
+    # which sorts before `<name>/` (a failure seen in a fresh-clone run).
+    first, resumed = sorted((history(f) for f in files), key=min)
     assert {**first, **resumed} == expected and sorted(resumed) == [3, 4]
     assert config(files[0])["model"]["num_experts"] == 8
 
