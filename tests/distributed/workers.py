@@ -5,10 +5,10 @@ torch costs more than that on two cores. A gang starts its N processes once (one
 forked from a fork server that imported torch and kiln once for all gangs) and then runs jobs
 in sequence. A job is a module-level function called on every rank with the same arguments;
 `kiln_train` is `kiln train` itself: the same `kiln.cli.main`, so the config is built and the
-Trainer run exactly as on the command line, and the process group is set up from env:// (a
-fresh port per job) and torn down at the clean end of the job, as `kiln train` does under
-torchrun. Environment switches (KILN_TEST_*) are set for one job only and every job gets its
-own output file per rank.
+Trainer run exactly as on the command line, and the process group is set up from env:// (on a
+store the gang starts for each job, as torchrun's agent does) and torn down at the clean end of
+the job, as `kiln train` does under torchrun. Environment switches (KILN_TEST_*) are set for one
+job only and every job gets its own output file per rank.
 
 A job that fails on any rank (an exception, a non-zero exit, a dead process) or runs past its
 time limit is reported with every rank's traceback and output. When every rank answered (each
