@@ -39,6 +39,14 @@ def train(recipe, run_dir, demo_data, *overrides):
     assert main(["train", *args]) == 0
 
 
+def all_written() -> None:
+    """W&B's service process writes the run files: stopped, it has written all it holds. A
+    fresh-clone run once read a file with no history row right after `finish()` returned."""
+    import wandb
+
+    wandb.teardown()
+
+
 def tensorboard_scalars(log_dir) -> dict[int, dict[str, float]]:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
@@ -73,6 +81,7 @@ def test_backends_hold_what_metrics_jsonl_holds_across_a_resume(tmp_path, demo_d
     assert 'preset = "debug_moe"' in text
 
     run_id = (run / WANDB_ID_FILE).read_text().strip()
+    all_written()
     files = sorted(run.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 2  # both attempts, one run id
     # Told apart by their first step, not by their folders' names: W&B names a folder by the
@@ -95,6 +104,7 @@ def test_wandb_online_without_a_network_warns_once_and_logs_offline(tmp_path, mo
     backend.close()
     err = capfd.readouterr().err
     assert err.count("W&B cannot log online") == 1 and "unreachable" in err, err
+    all_written()
     (offline,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     assert history(offline) == {1: {"loss": 2.5}}
 
