@@ -17,6 +17,8 @@ side by side:
     python benchmarks/fsdp_overhead.py --pairs 3 --steps 24 --skip 8
     python benchmarks/fsdp_overhead.py --pairs 4 \
         --variant=--distributed.shared_memory_collectives=false
+    git worktree add /tmp/kiln-before HEAD~1
+    python benchmarks/fsdp_overhead.py --pairs 4 --checkout /tmp/kiln-before
 
 `profile` runs a few steps in-process under torch.profiler and prints the top ops and the time
 per step of FSDP's own ranges, collectives and the optimizer (rank 0 under torchrun):
@@ -56,8 +58,11 @@ MODEL = [
 RECIPE = "configs/train/debug.toml"
 
 
-def run_arm(arm: str, *, steps: int, log_interval: int, extra: list[str]) -> list[dict]:
-    """One `kiln train` run of arm 'a' (one process, 2 threads) or 'b' (2 ranks, 1 thread each)."""
+def run_arm(
+    arm: str, *, steps: int, log_interval: int, extra: list[str], checkout: str | None = None
+) -> list[dict]:
+    """One `kiln train` run of arm 'a' (one process, 2 threads) or 'b' (2 ranks, 1 thread each),
+    with the kiln of this checkout, or of `checkout` (`python -m` imports from its directory)."""
     with tempfile.TemporaryDirectory(prefix="kiln-fsdp-overhead-") as tmp:
         if arm == "a":
             launcher, threads, layout = [], "2", []
@@ -79,7 +84,7 @@ def run_arm(arm: str, *, steps: int, log_interval: int, extra: list[str]) -> lis
             *extra,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": threads}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=checkout)
         if done.returncode != 0:
             sys.exit(f"arm {arm} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
@@ -101,15 +106,21 @@ def load_average() -> float:
 
 def compare(args: argparse.Namespace, extra: list[str]) -> None:
     # Arm (b) as given, then one more arm (b) per --variant, with its overrides on top.
-    arms = {"a": ("a", extra), "b": ("b", extra)}
+    arms = {"a": ("a", extra, None), "b": ("b", extra, None)}
     for index, variant in enumerate(args.variant, start=2):
-        arms[f"b{index}"] = ("b", [*extra, *variant.split()])
+        arms[f"b{index}"] = ("b", [*extra, *variant.split()], None)
+    if args.checkout:
+        arms["b-checkout"] = ("b", extra, args.checkout)
     rows = []
     for pair in range(args.pairs):
         row = {"load": load_average()}
-        for name, (arm, overrides) in arms.items():
+        for name, (arm, overrides, checkout) in arms.items():
             records = run_arm(
-                arm, steps=args.steps, log_interval=args.log_interval, extra=overrides
+                arm,
+                steps=args.steps,
+                log_interval=args.log_interval,
+                extra=overrides,
+                checkout=checkout,
             )
             row[name] = steady_tok_s(records, skip=args.skip, log_interval=args.log_interval)
         rows.append(row)
@@ -122,6 +133,8 @@ def compare(args: argparse.Namespace, extra: list[str]) -> None:
     print(f"\n{args.steps} steps, log interval {args.log_interval}, steps > {args.skip} counted")
     for index, variant in enumerate(args.variant, start=2):
         print(f"(b{index}): arm (b) with {variant}")
+    if args.checkout:
+        print(f"(b-checkout): arm (b) with the kiln of {args.checkout}")
     print("| arm | median tok/s | min | max | median ratio to (a), round by round |")
     print("|---|---|---|---|---|")
     for name in arms:
@@ -200,6 +213,11 @@ def main() -> None:
         default=[],
         help="one more arm (b) with these overrides, e.g. "
         "'--distributed.shared_memory_collectives=false' (repeatable)",
+    )
+    parser.add_argument(
+        "--checkout",
+        help="one more arm (b) run with the kiln of another checkout, e.g. a git worktree of the "
+        "commit before a change",
     )
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--log-interval", type=int, default=4)

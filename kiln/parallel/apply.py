@@ -87,7 +87,11 @@ def apply_parallelism(
         if sharded and not wrong_order:
             shard(part)
     if sharded and _device(parallel).type == "cpu" and cfg.distributed.shared_memory_collectives:
-        use_shared_memory_collectives(parts)
+        use_shared_memory_collectives(
+            parts,
+            overlap=cfg.distributed.shared_memory_overlap,
+            timeout_s=cfg.resilience.collective_timeout_s,
+        )
     return parts
 
 

@@ -2,11 +2,15 @@
 
 On 4 ranks, in the world group and in two groups of 2 at once: the all-gather equals gloo's, the
 reduce-scatter equals the sum (or average) in rank order that each rank computes locally from
-the other ranks' seeded inputs, the all-gather into a separate output and in place, for fp32 and bf16, with buffers small enough that every
-collective goes in several pieces and ends on a ragged one. Then FSDP itself: a model sharded
-over 2 ranks produces bitwise the gradients with the shared-memory collectives that it produces
-with gloo's, and so does one whose buffer cannot be reserved (it falls back to gloo, with one
-warning). Nothing is left in /dev/shm.
+the other ranks' seeded inputs, the all-gather into a separate output and in place, for fp32 and
+bf16, with arenas small enough that every collective goes in several pieces and ends on a ragged
+one; and all-gathers posted asynchronously, several at once, waited for later, through an arena
+reused while they are pending. Then FSDP itself, on 2 ranks, three steps of AdamW with two
+micro-batches each: the gradients and weights are bitwise those of gloo with the shared-memory
+collectives, with and without overlap, with an arena so small that it is reused within every
+backward, with a reduction per micro-batch (the second adds to the first's gradient, so it is
+not deferred) and with one per step; and so are they for a model whose buffer cannot be reserved
+(it falls back to gloo, with one warning). Nothing is left in /dev/shm.
 """
 
 import glob
@@ -26,9 +30,9 @@ def test_collectives_match_gloo_in_pieces_and_groups(gangs):
 
 def test_fsdp_gradients_are_bitwise_those_of_gloo(gangs):
     outputs = gangs.run(2, check_fsdp_gradients)
-    # The third model's buffer cannot be reserved: rank 0 says so once, both ranks use gloo.
+    # Two models' buffers cannot be reserved: rank 0 says so once each, both ranks use gloo.
     warnings = [output.count("collectives stay on gloo") for output in outputs]
-    assert warnings == [1, 0], outputs
+    assert warnings == [2, 0], outputs
 
 
 def seeded(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -61,6 +65,16 @@ def check_collectives() -> None:
                     in_place.view(ranks, numel)[me] = shard
                     gather(in_place, in_place.view(ranks, numel)[me], group)
                     assert torch.equal(in_place, expected), (dtype, numel, "in place")
+                    posted = [
+                        (torch.empty(ranks * numel, dtype=dtype), seeded(rank + k, numel, dtype))
+                        for k in range(3)
+                    ]
+                    works = [gather(out, shard, group, async_op=True) for out, shard in posted]
+                    for work, (out, shard) in zip(works, posted, strict=True):
+                        if work is not None:  # None: it went in pieces, done at once
+                            work.wait()
+                        dist.all_gather_into_tensor(expected, shard, group)
+                        assert torch.equal(out, expected), (dtype, numel, "async")
                     inputs = [seeded(r, ranks * numel, dtype).view(ranks, numel) for r in members]
                     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                         out = torch.empty(numel, dtype=dtype)
@@ -84,23 +98,50 @@ def check_fsdp_gradients() -> None:
     default_bytes = shm.BUFFER_BYTES
     try:
         mesh = init_device_mesh("cpu", (2,))
-        grads = []
-        for way in ("gloo", "shared memory", "no room"):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 5))
-            for layer in (model[0], model[2]):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            if way == "shared memory":
-                shm.use_shared_memory_collectives([model])
-            elif way == "no room":  # a 1 EiB buffer: no file system reserves it
-                shm.BUFFER_BYTES = 2**60
-                shm.use_shared_memory_collectives([model], shm.SharedMemoryBuffers(2**60))
-            inputs = torch.randn(8, 33, generator=torch.Generator().manual_seed(dist.get_rank()))
-            model(inputs).square().mean().backward()
-            grads.append([p.grad.to_local().clone() for p in model.parameters()])
-        for gloo_grad, *shared_grads in zip(*grads, strict=True):
-            assert all(torch.equal(gloo_grad, shared_grad) for shared_grad in shared_grads)
+        for per_step in (False, True):
+            runs = {
+                way: train_three_steps(mesh, way, reduce_per_step=per_step)
+                for way in ("gloo", "overlap", "no overlap", "small arena", "no room")
+            }
+            for way, (grads, weights, _) in runs.items():
+                assert all(map(torch.equal, grads, runs["gloo"][0])), (way, per_step)
+                assert all(map(torch.equal, weights, runs["gloo"][1])), (way, per_step)
+            # Overlap defers the reductions that start a gradient: three units, three steps.
+            assert runs["overlap"][2] == 3 * 3, per_step
+            assert runs["no overlap"][2] == 0, per_step
     finally:
         shm.BUFFER_BYTES = default_bytes  # the gang's processes run later jobs
         dist.destroy_process_group()
+
+
+def train_three_steps(mesh, way: str, *, reduce_per_step: bool):
+    """Every step's gradients and the final weights of a small FSDP model trained `way`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 5))
+    for layer in (model[0], model[2], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    buffers = None
+    if way == "small arena":  # rows of 1 KiB: reused many times in every backward
+        buffers = shm.SharedMemoryBuffers(largest_bytes=1024)
+    elif way == "no room":  # a 1 EiB buffer: no file system reserves it
+        shm.BUFFER_BYTES = 2**60
+        buffers = shm.SharedMemoryBuffers(2**60)
+    if way != "gloo":
+        buffers = shm.use_shared_memory_collectives(
+            [model], buffers, overlap=way != "no overlap"
+        )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    grads = []
+    for _ in range(3):
+        for micro_batch in range(2):
+            if reduce_per_step:
+                model.set_requires_gradient_sync(micro_batch == 1)
+            inputs = torch.randn(8, 33, generator=generator)
+            model(inputs).square().mean().backward()
+        grads += [p.grad.to_local().clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    weights = [p.detach().to_local().clone() for p in model.parameters()]
+    return grads, weights, buffers.deferred if buffers is not None else 0
