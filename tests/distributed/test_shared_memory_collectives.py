@@ -128,9 +128,7 @@ def train_three_steps(mesh, way: str, *, reduce_per_step: bool):
         shm.BUFFER_BYTES = 2**60
         buffers = shm.SharedMemoryBuffers(2**60)
     if way != "gloo":
-        buffers = shm.use_shared_memory_collectives(
-            [model], buffers, overlap=way != "no overlap"
-        )
+        buffers = shm.use_shared_memory_collectives([model], buffers, overlap=way != "no overlap")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(dist.get_rank())
     grads = []
