@@ -234,10 +234,6 @@ class DistributedConfig:
     # CPU: FSDP's all-gathers and reduce-scatters through shared memory (/dev/shm) when the ranks
     # of a group share a host, instead of gloo's TCP loopback. No effect on GPUs.
     shared_memory_collectives: bool = True
-    # CPU, with shared_memory_collectives: let a rank run ahead of its peers instead of meeting
-    # them at every collective (all-gathers posted one unit early, reduce-scatters finished at the
-    # end of backward): holds one more unit's gathered parameters.
-    shared_memory_overlap: bool = True
     pp_schedule: str = "1f1b"
     # 0: one sequence per micro-batch, i.e. train.batch_size micro-batches per pipeline pass.
     pp_microbatches: int = 0

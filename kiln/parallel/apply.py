@@ -87,11 +87,7 @@ def apply_parallelism(
         if sharded and not wrong_order:
             shard(part)
     if sharded and _device(parallel).type == "cpu" and cfg.distributed.shared_memory_collectives:
-        use_shared_memory_collectives(
-            parts,
-            overlap=cfg.distributed.shared_memory_overlap,
-            timeout_s=cfg.resilience.collective_timeout_s,
-        )
+        use_shared_memory_collectives(parts, timeout_s=cfg.resilience.collective_timeout_s)
     return parts
 
 

@@ -3,14 +3,12 @@
 On 4 ranks, in the world group and in two groups of 2 at once: the all-gather equals gloo's, the
 reduce-scatter equals the sum (or average) in rank order that each rank computes locally from
 the other ranks' seeded inputs, the all-gather into a separate output and in place, for fp32 and
-bf16, with arenas small enough that every collective goes in several pieces and ends on a ragged
-one; and all-gathers posted asynchronously, several at once, waited for later, through an arena
-reused while they are pending. Then FSDP itself, on 2 ranks, three steps of AdamW with two
-micro-batches each: the gradients and weights are bitwise those of gloo with the shared-memory
-collectives, with and without overlap, with an arena so small that it is reused within every
-backward, with a reduction per micro-batch (the second adds to the first's gradient, so it is
-not deferred) and with one per step; and so are they for a model whose buffer cannot be reserved
-(it falls back to gloo, with one warning). Nothing is left in /dev/shm.
+bf16, with arenas small enough that every collective goes in several pieces, ends on a ragged
+one and reuses the arena many times. Then FSDP itself, on 2 ranks, three steps of AdamW with two
+micro-batches each, reducing after each micro-batch and once per step: the gradients of every
+step and the final weights are bitwise those of gloo with the shared-memory collectives, with an
+arena so small that it is reused within every backward, and for a model whose arena cannot be
+reserved (it falls back to gloo, with one warning). Nothing is left in /dev/shm.
 """
 
 import glob
@@ -65,16 +63,6 @@ def check_collectives() -> None:
                     in_place.view(ranks, numel)[me] = shard
                     gather(in_place, in_place.view(ranks, numel)[me], group)
                     assert torch.equal(in_place, expected), (dtype, numel, "in place")
-                    posted = [
-                        (torch.empty(ranks * numel, dtype=dtype), seeded(rank + k, numel, dtype))
-                        for k in range(3)
-                    ]
-                    works = [gather(out, shard, group, async_op=True) for out, shard in posted]
-                    for work, (out, shard) in zip(works, posted, strict=True):
-                        if work is not None:  # None: it went in pieces, done at once
-                            work.wait()
-                        dist.all_gather_into_tensor(expected, shard, group)
-                        assert torch.equal(out, expected), (dtype, numel, "async")
                     inputs = [seeded(r, ranks * numel, dtype).view(ranks, numel) for r in members]
                     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                         out = torch.empty(numel, dtype=dtype)
@@ -101,14 +89,11 @@ def check_fsdp_gradients() -> None:
         for per_step in (False, True):
             runs = {
                 way: train_three_steps(mesh, way, reduce_per_step=per_step)
-                for way in ("gloo", "overlap", "no overlap", "small arena", "no room")
+                for way in ("gloo", "shared memory", "small arena", "no room")
             }
-            for way, (grads, weights, _) in runs.items():
+            for way, (grads, weights) in runs.items():
                 assert all(map(torch.equal, grads, runs["gloo"][0])), (way, per_step)
                 assert all(map(torch.equal, weights, runs["gloo"][1])), (way, per_step)
-            # Overlap defers the reductions that start a gradient: three units, three steps.
-            assert runs["overlap"][2] == 3 * 3, per_step
-            assert runs["no overlap"][2] == 0, per_step
     finally:
         shm.BUFFER_BYTES = default_bytes  # the gang's processes run later jobs
         dist.destroy_process_group()
@@ -128,7 +113,7 @@ def train_three_steps(mesh, way: str, *, reduce_per_step: bool):
         shm.BUFFER_BYTES = 2**60
         buffers = shm.SharedMemoryBuffers(2**60)
     if way != "gloo":
-        buffers = shm.use_shared_memory_collectives([model], buffers, overlap=way != "no overlap")
+        shm.use_shared_memory_collectives([model], buffers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(dist.get_rank())
     grads = []
@@ -141,5 +126,4 @@ def train_three_steps(mesh, way: str, *, reduce_per_step: bool):
         grads += [p.grad.to_local().clone() for p in model.parameters()]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    weights = [p.detach().to_local().clone() for p in model.parameters()]
-    return grads, weights, buffers.deferred if buffers is not None else 0
+    return grads, [p.detach().to_local().clone() for p in model.parameters()]
