@@ -2,7 +2,7 @@
 path costs beyond the compute it shards.
 
 Two arms on a 29M-parameter Llama (dim 512, 8 layers, 8 heads, 4 KV heads, ffn 1536, vocab
-4096, 4 x 256 tokens per rank, fp32, AdamW foreach), run alternately (a b a b ...):
+4096, 4 x 256 tokens per rank, fp32, AdamW foreach), run in rounds (a b, b a, ...):
 
   (a) `kiln train` in one process with OMP_NUM_THREADS=2, batch_size=4;
   (b) torchrun --nproc-per-node=2, dp_shard=2, OMP_NUM_THREADS=1 per process, batch_size=4 per
@@ -112,9 +112,12 @@ def compare(args: argparse.Namespace, extra: list[str]) -> None:
     if args.checkout:
         arms["b-checkout"] = ("b", extra, args.checkout)
     rows = []
+    names = list(arms)
     for pair in range(args.pairs):
         row = {"load": load_average()}
-        for name, (arm, overrides, checkout) in arms.items():
+        # Each round starts one arm later, so no arm always runs in the same slot of a round.
+        for name in names[pair % len(names) :] + names[: pair % len(names)]:
+            arm, overrides, checkout = arms[name]
             records = run_arm(
                 arm,
                 steps=args.steps,

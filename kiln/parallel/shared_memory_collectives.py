@@ -7,8 +7,8 @@ has written. A collective takes the next bytes of every row (the same bytes on e
 rank sees the same collective sizes in the same order, FSDP pads shards to equal sizes); a rank
 copies its part into its row, bumps its counter (publishes), and reads another rank's part once
 that rank's counter has reached the collective. A rank waits only for the parts it reads, by
-polling a counter while yielding its core, not in a collective that every rank must enter
-(a gloo fence per collective cost the ranks more in waking each other than in moving data).
+polling a counter while yielding its core, not in a collective that every rank must enter (a
+gloo fence per collective, the previous design, cost more than the data movement it guarded).
 
 Once full, the arena is reused from its start: by then every rank has read what it wanted from
 it (every collective completes before returning), which the group agrees on in a one-element gloo
@@ -82,7 +82,7 @@ class SharedMemoryGroup:
                 if time.monotonic() > deadline:
                     raise dist.DistError(
                         f"shared-memory collective timed out: rank {rank} of the FSDP group did "
-                        f"not arrive within {self.timeout_s:.0f} s"
+                        f"not arrive within {self.timeout_s:.0f} s (resilience.collective_timeout_s)"
                     )
                 time.sleep(5e-5)
 
