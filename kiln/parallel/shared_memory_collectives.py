@@ -50,6 +50,10 @@ class SharedMemoryGroup:
         self.offset = 0  # next free byte of every row
         self.collectives = 0  # collectives taken so far; the counters count the same
         self._fence_flag = torch.zeros(1, dtype=torch.int32)
+        # Polling keeps a core busy: only while every thread of the job has a core of its own;
+        # otherwise a waiting rank sleeps, or it would take the core of the rank it waits for.
+        threads = dist.get_world_size() * torch.get_num_threads()
+        self.poll = threads <= len(os.sched_getaffinity(0))
         self.rows, self.counters = self._map_arena()
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, int]:
@@ -72,11 +76,11 @@ class SharedMemoryGroup:
         deadline = None
         for rank in ranks:
             counter = self.counters[rank]
-            spins = 0
+            polls, nap = 0, 2e-5
             while counter.item() < collective:
-                spins += 1
-                if spins < 2000:
-                    time.sleep(0)  # yield: a waiting rank must not take a core its peer needs
+                polls += 1
+                if self.poll and polls < 2000:
+                    time.sleep(0)  # yields the core, if anything else wants it
                     continue
                 deadline = deadline or time.monotonic() + self.timeout_s
                 if time.monotonic() > deadline:
@@ -84,7 +88,8 @@ class SharedMemoryGroup:
                         f"shared-memory collective timed out: rank {rank} of the FSDP group did "
                         f"not arrive within {self.timeout_s:.0f} s (resilience.collective_timeout_s)"
                     )
-                time.sleep(5e-5)
+                time.sleep(nap)
+                nap = min(2 * nap, 5e-5 if self.poll else 1e-3)
 
     def _map_arena(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         header = self.ranks * COUNTER_BYTES
@@ -92,7 +97,7 @@ class SharedMemoryGroup:
         # Rank 0 decides where the arena lives (or why it cannot) and tells the group.
         decision: list[str | None] = [None]
         if self.rank == 0:
-            decision[0] = _create_arena_file(size)
+            decision[0] = _create_buffer_file(size)
         dist.broadcast_object_list(decision, group=self.group, group_src=0)
         path = decision[0]
         if path.startswith("error: "):
@@ -120,7 +125,7 @@ class SharedMemoryGroup:
         return mapped[header:].view(self.ranks, self.row_bytes), counters
 
 
-def _create_arena_file(nbytes: int) -> str:
+def _create_buffer_file(nbytes: int) -> str:
     """A zeroed file of `nbytes` whose memory is reserved now (so a full /dev/shm fails here,
     not with SIGBUS later), as its path, or 'error: <why>'."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
