@@ -36,17 +36,32 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 BUFFER_BYTES = 256 * 2**20
 ALIGNMENT = 64
 COUNTER_BYTES = 64  # one cache line per rank's counter
+DECISION_BYTES = 1024  # rank 0's word on the arena: its path, or why there is none
+SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)  # the reductions the arena computes
 
 
 class SharedMemoryGroup:
-    """The arena of one process group, or `rows` None where its ranks cannot share one."""
+    """The arena of one group of ranks, or `rows` None where they cannot share one. `control`
+    carries the arena's own few collectives (its creation, and a fence when it is reused): the
+    gloo process group or gloo backend of the same ranks, never one whose collectives use this
+    arena."""
 
-    def __init__(self, group: dist.ProcessGroup, row_bytes: int, timeout_s: float) -> None:
-        self.group = group
-        self.ranks = group.size()
-        self.rank = group.rank()
+    def __init__(
+        self,
+        control: dist.ProcessGroup | dist.ProcessGroupGloo,
+        *,
+        rank: int,
+        ranks: int,
+        row_bytes: int,
+        timeout_s: float,
+        label: str = "FSDP",
+    ) -> None:
+        self.control = control
+        self.ranks = ranks
+        self.rank = rank
         self.row_bytes = row_bytes
         self.timeout_s = timeout_s
+        self.label = label
         self.offset = 0  # next free byte of every row
         self.collectives = 0  # collectives taken so far; the counters count the same
         self._fence_flag = torch.zeros(1, dtype=torch.int32)
@@ -61,7 +76,7 @@ class SharedMemoryGroup:
         assert nbytes <= self.row_bytes
         if self.offset + nbytes > self.row_bytes:
             # Every rank has read what it wanted from the arena once every rank gets here.
-            dist.all_reduce(self._fence_flag, group=self.group)
+            _control_all_reduce(self.control, self._fence_flag, dist.ReduceOp.SUM)
             self.offset = 0
         start = self.offset
         self.offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
@@ -85,8 +100,9 @@ class SharedMemoryGroup:
                 deadline = deadline or time.monotonic() + self.timeout_s
                 if time.monotonic() > deadline:
                     raise dist.DistError(
-                        f"shared-memory collective timed out: rank {rank} of the FSDP group did "
-                        f"not arrive within {self.timeout_s:.0f} s (resilience.collective_timeout_s)"
+                        f"shared-memory collective timed out: rank {rank} of the {self.label} "
+                        f"group did not arrive within {self.timeout_s:.0f} s "
+                        "(resilience.collective_timeout_s)"
                     )
                 time.sleep(nap)
                 nap = min(2 * nap, 5e-5 if self.poll else 1e-3)
@@ -95,17 +111,19 @@ class SharedMemoryGroup:
         header = self.ranks * COUNTER_BYTES
         size = header + self.ranks * self.row_bytes
         # Rank 0 decides where the arena lives (or why it cannot) and tells the group.
-        decision: list[str | None] = [None]
+        decision = torch.zeros(DECISION_BYTES, dtype=torch.uint8)
         if self.rank == 0:
-            decision[0] = _create_buffer_file(size)
-        dist.broadcast_object_list(decision, group=self.group, group_src=0)
-        path = decision[0]
+            encoded = _create_buffer_file(size).encode()[:DECISION_BYTES]
+            decision[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        _control_broadcast(self.control, decision)
+        path = bytes(decision.tolist()).rstrip(b"\0").decode(errors="replace")
         if path.startswith("error: "):
             if self.rank == 0:
                 print(
-                    f"kiln: WARNING: FSDP's collectives stay on gloo (slower on CPU): no room for "
-                    f"their shared-memory buffer, {path[7:]}. Give /dev/shm more room (docker "
-                    "run --shm-size=1g), or set distributed.shared_memory_collectives = false",
+                    f"kiln: WARNING: {self.label}'s collectives stay on gloo (slower on CPU): no "
+                    f"room for their shared-memory buffer, {path[7:]}. Give /dev/shm more room "
+                    "(docker run --shm-size=1g), or set distributed.shared_memory_collectives = "
+                    "false",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -116,13 +134,25 @@ class SharedMemoryGroup:
         mapped = None
         if seen.item():
             mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=self.group)
+        _control_all_reduce(self.control, seen, dist.ReduceOp.MIN)
         if self.rank == 0:
             os.unlink(path)  # the mappings keep the memory; nothing is left behind on exit
         if not seen.item():
             return None, None
         counters = mapped[:header].view(torch.int64).view(self.ranks, COUNTER_BYTES // 8)[:, 0]
         return mapped[header:].view(self.ranks, self.row_bytes), counters
+
+
+def _control_all_reduce(control, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    control.allreduce([tensor], options).wait()
+
+
+def _control_broadcast(control, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    control.broadcast([tensor], options).wait()
 
 
 def _create_buffer_file(nbytes: int) -> str:
@@ -156,7 +186,13 @@ class SharedMemoryBuffers:
             # At least one 8-byte element per rank in a reduce-scatter's piece.
             least = ALIGNMENT * group.size()
             row_bytes = -(-max(least, min(self.largest_bytes, most)) // ALIGNMENT) * ALIGNMENT
-            self._groups[group] = SharedMemoryGroup(group, row_bytes, self.timeout_s)
+            self._groups[group] = SharedMemoryGroup(
+                group,
+                rank=group.rank(),
+                ranks=group.size(),
+                row_bytes=row_bytes,
+                timeout_s=self.timeout_s,
+            )
         found = self._groups[group]
         return found if found.rows is not None else None
 
@@ -184,20 +220,7 @@ class SharedMemoryAllGather(SharedMemoryComm, AllGather):
         shared = self.buffers.of(group)
         if shared is None:
             return dist.all_gather_single(output_tensor, input_tensor, group, async_op)
-        sent = input_tensor.reshape(-1).view(torch.uint8)
-        gathered = output_tensor.view(torch.uint8).view(shared.ranks, sent.numel())
-        me = shared.rank
-        if sent.data_ptr() != gathered[me].data_ptr():  # FSDP copies its shard in beforehand
-            gathered[me].copy_(sent)
-        others = [rank for rank in range(shared.ranks) if rank != me]
-        for start in range(0, sent.numel(), shared.row_bytes):
-            end = min(start + shared.row_bytes, sent.numel())
-            rows, collective = shared.take(end - start)
-            rows[me].copy_(sent[start:end])
-            shared.publish(collective)
-            shared.wait_for(collective, others)
-            for rank in others:
-                gathered[rank, start:end].copy_(rows[rank])
+        all_gather(shared, output_tensor, input_tensor)
         return None
 
 
@@ -211,34 +234,82 @@ class SharedMemoryReduceScatter(SharedMemoryComm, ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         shared = self.buffers.of(group)
-        if shared is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        if shared is None or op not in SUMS:
             return dist.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
-        ranks, size, me = shared.ranks, output_tensor.numel(), shared.rank
-        chunks = input_tensor.view(ranks, size)  # chunk r is rank r's share
-        itemsize = input_tensor.element_size()
-        piece = shared.row_bytes // (ranks * itemsize)
-        for start in range(0, size, piece):
-            end = min(start + piece, size)
-            rows, collective = shared.take(ranks * (end - start) * itemsize)
-            # Rank r's row holds its chunks for every rank; its own it reads in place.
-            slots = rows.view(input_tensor.dtype).view(ranks, ranks, end - start)
-            mine = chunks[:, start:end]
-            slots[me, :me].copy_(mine[:me])
-            slots[me, me + 1 :].copy_(mine[me + 1 :])
-            shared.publish(collective)
-            shared.wait_for(collective, [rank for rank in range(ranks) if rank != me])
-            received = [mine[me] if rank == me else slots[rank, me] for rank in range(ranks)]
-            # Summed in rank order: the same order on every rank, whatever the layout.
-            out = output_tensor[start:end]
-            if ranks == 1:
-                out.copy_(received[0])
-            else:
-                torch.add(received[0], received[1], out=out)
-            for row in received[2:]:
-                out.add_(row)
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(ranks)
+        reduce_scatter(shared, output_tensor, input_tensor, op)
         return None
+
+
+def all_gather(shared: SharedMemoryGroup, output: torch.Tensor, input: torch.Tensor) -> None:
+    """`output` (contiguous, ranks × input's elements): every rank's `input`, in rank order."""
+    sent = input.reshape(-1).view(torch.uint8)
+    gathered = output.view(torch.uint8).view(shared.ranks, sent.numel())
+    me = shared.rank
+    if sent.data_ptr() != gathered[me].data_ptr():  # FSDP copies its shard in beforehand
+        gathered[me].copy_(sent)
+    others = [rank for rank in range(shared.ranks) if rank != me]
+    for start in range(0, sent.numel(), shared.row_bytes):
+        end = min(start + shared.row_bytes, sent.numel())
+        rows, collective = shared.take(end - start)
+        rows[me].copy_(sent[start:end])
+        shared.publish(collective)
+        shared.wait_for(collective, others)
+        for rank in others:
+            gathered[rank, start:end].copy_(rows[rank])
+
+
+def reduce_scatter(
+    shared: SharedMemoryGroup, output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp
+) -> None:
+    """`output`: this rank's chunk of the sum (`op` SUM) or mean (AVG) of every rank's `input`
+    (contiguous, ranks chunks), summed in rank order."""
+    ranks, size, me = shared.ranks, output.numel(), shared.rank
+    chunks = input.view(ranks, size)  # chunk r is rank r's share
+    itemsize = input.element_size()
+    piece = shared.row_bytes // (ranks * itemsize)
+    flat = output.view(-1)
+    for start in range(0, size, piece):
+        end = min(start + piece, size)
+        rows, collective = shared.take(ranks * (end - start) * itemsize)
+        # Rank r's row holds its chunks for every rank; its own it reads in place.
+        slots = rows.view(input.dtype).view(ranks, ranks, end - start)
+        mine = chunks[:, start:end]
+        slots[me, :me].copy_(mine[:me])
+        slots[me, me + 1 :].copy_(mine[me + 1 :])
+        shared.publish(collective)
+        shared.wait_for(collective, [rank for rank in range(ranks) if rank != me])
+        received = [mine[me] if rank == me else slots[rank, me] for rank in range(ranks)]
+        _sum_in_rank_order(received, out=flat[start:end])
+    if op == dist.ReduceOp.AVG:
+        output.div_(ranks)
+
+
+def all_reduce(shared: SharedMemoryGroup, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+    """`tensor` (contiguous), in place: the sum (`op` SUM) or mean (AVG) of every rank's, summed
+    in rank order, so bitwise the same on every rank."""
+    flat, itemsize = tensor.view(-1), tensor.element_size()
+    piece = shared.row_bytes // itemsize
+    others = [rank for rank in range(shared.ranks) if rank != shared.rank]
+    for start in range(0, flat.numel(), piece):
+        end = min(start + piece, flat.numel())
+        rows, collective = shared.take((end - start) * itemsize)
+        slots = rows.view(tensor.dtype)
+        slots[shared.rank].copy_(flat[start:end])
+        shared.publish(collective)
+        shared.wait_for(collective, others)
+        _sum_in_rank_order(list(slots), out=flat[start:end])
+    if op == dist.ReduceOp.AVG:
+        tensor.div_(shared.ranks)
+
+
+def _sum_in_rank_order(parts: list[torch.Tensor], *, out: torch.Tensor) -> None:
+    # The same order on every rank, whatever the layout.
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
 
 
 def supported() -> bool:
