@@ -81,7 +81,7 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
             all_reduce(self.arena, tensor, op)
         return _done(tensors)
 
-    def allgather_into_tensor_coalesced(
+    def all_gather_single_coalesced(
         self,
         outputs: list[torch.Tensor],
         inputs: list[torch.Tensor],
@@ -94,7 +94,7 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
                 self.gloo._allgather_base(output, input, opts).wait()
         return _done(outputs)
 
-    def reduce_scatter_tensor_coalesced(
+    def reduce_scatter_single_coalesced(
         self,
         outputs: list[torch.Tensor],
         inputs: list[torch.Tensor],
@@ -107,6 +107,34 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
             else:
                 self.gloo._reduce_scatter_base(output, input, opts).wait()
         return _done(outputs)
+
+    # Every other collective the C++ side may call on this group, handed to gloo from Python.
+    # Left to torch's default, it would reach gloo with the GIL held, and deadlock whenever gloo's
+    # worker thread, holding its queue's lock, frees a tensor that needs the GIL.
+
+    def allgather(self, outputs, inputs, opts) -> dist.Work:
+        return self.gloo.allgather(outputs, inputs, opts)
+
+    def allreduce_coalesced(self, tensors, opts) -> dist.Work:
+        return self.gloo.allreduce_coalesced(tensors, opts)
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts) -> dist.Work:
+        return self.gloo.alltoall_base(output, input, output_splits, input_splits, opts)
+
+    def barrier(self, opts) -> dist.Work:
+        return self.gloo.barrier(opts)
+
+    def broadcast(self, tensors, opts) -> dist.Work:
+        return self.gloo.broadcast(tensors, opts)
+
+    def reduce_scatter(self, outputs, inputs, opts) -> dist.Work:
+        return self.gloo.reduce_scatter(outputs, inputs, opts)
+
+    def send(self, tensors, dst, tag) -> dist.Work:
+        return self.gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag) -> dist.Work:
+        return self.gloo.recv(tensors, src, tag)
 
     def _shares(self, tensors: list[torch.Tensor]) -> bool:
         """Whether the arena can carry a collective of `tensors`."""
