@@ -4,6 +4,9 @@ each layout's job at 1 step and at 10 steps, alternating, in one warm gang per w
 over nine steps is the cost of a step. benchmarks/test_suite.md reads it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gang_jobs.py --rounds 2
+
+`--variant=ARGS` (e.g. `--variant=--distributed.shared_memory_collectives=false`) also runs each
+layout with those overrides in the same round, right after, for a side-by-side step cost.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ LAYOUTS = {
 }
 
 
-def job_seconds(gangs: Gangs, root: Path, data: Path, layout: str, steps: int) -> float:
+def job_seconds(
+    gangs: Gangs, root: Path, data: Path, layout: str, steps: int, variant: tuple[str, ...] = ()
+) -> float:
     ranks, overrides = LAYOUTS[layout]
     run_dir = Path(tempfile.mkdtemp(dir=root)) / "run"
-    args = train_args(run_dir, data, *overrides, "--scheduler.warmup_steps=0", steps=steps)
+    extra = [*overrides, "--scheduler.warmup_steps=0", *variant]
+    args = train_args(run_dir, data, *extra, steps=steps)
     start = time.monotonic()
     gangs.run(ranks, kiln_train, args)
     return time.monotonic() - start
@@ -40,7 +46,9 @@ def job_seconds(gangs: Gangs, root: Path, data: Path, layout: str, steps: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--variant", default="", help="overrides of a second arm, space-separated")
+    options = parser.parse_args()
+    rounds, variant = options.rounds, tuple(options.variant.split())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = ensure_demo_corpus(root / "demo", max_bytes=2_000_000)
@@ -48,13 +56,20 @@ def main() -> None:
         try:
             for layout in LAYOUTS:  # warm-up: each gang's first job imports what it needs
                 job_seconds(gangs, root, data, layout, steps=1)
-            print("| layout | ranks | 1 step, s | 10 steps, s | a step, s |")
-            print("|---|---:|---:|---:|---:|")
+            header = "| layout | ranks | 1 step, s | 10 steps, s | a step, s |"
+            print(header + (" a step, variant, s | variant / base |" if variant else ""))
+            print("|---|---:|---:|---:|---:|" + ("---:|---:|" if variant else ""))
             for _ in range(rounds):
                 for layout, (ranks, _overrides) in LAYOUTS.items():
                     one = job_seconds(gangs, root, data, layout, steps=1)
                     ten = job_seconds(gangs, root, data, layout, steps=10)
-                    print(f"| {layout} | {ranks} | {one:.2f} | {ten:.2f} | {(ten - one) / 9:.3f} |")
+                    step = (ten - one) / 9
+                    row = f"| {layout} | {ranks} | {one:.2f} | {ten:.2f} | {step:.3f} |"
+                    if variant:
+                        one = job_seconds(gangs, root, data, layout, 1, variant)
+                        other = (job_seconds(gangs, root, data, layout, 10, variant) - one) / 9
+                        row += f" {other:.3f} | {other / step:.2f} |"
+                    print(row, flush=True)
         finally:
             gangs.close()
 

@@ -14,7 +14,9 @@ Once full, the arena is reused from its start: by then every rank has read what 
 it (every collective completes before returning), which the group agrees on in a one-element gloo
 all-reduce, a few times per step. Collectives larger than a row go in pieces. The counters are
 plain stores and loads, ordered by x86's total store order; on other hosts (and between hosts, or
-containers with separate /dev/shm, or without room) the group uses gloo.
+containers with separate /dev/shm, or without room) the group uses gloo. The tp groups' process
+group (shared_memory_process_group.py) runs the same three collectives, and an all-reduce, on
+an arena of its own.
 """
 
 from __future__ import annotations
