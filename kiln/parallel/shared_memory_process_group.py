@@ -62,7 +62,8 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         self.gloo = dist.ProcessGroupGloo(
             options.store, options.group_rank, options.group_size, options.timeout
         )
-        # Every collective not overridden here dispatches to gloo.
+        # What torch dispatches in C++ rather than through the methods below (an all-gather into
+        # one tensor called from Python, gather, scatter, reduce) goes to this gloo backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
         self.arena = SharedMemoryGroup(
             self.gloo,
