@@ -15,8 +15,8 @@ it (every collective completes before returning), which the group agrees on in a
 all-reduce, a few times per step. Collectives larger than a row go in pieces. The counters are
 plain stores and loads, ordered by x86's total store order; on other hosts (and between hosts, or
 containers with separate /dev/shm, or without room) the group uses gloo. The tp groups' process
-group (shared_memory_process_group.py) runs the same three collectives, and an all-reduce, on
-an arena of its own.
+group (shared_memory_process_group.py) runs the same two collectives, and an all-reduce, on an
+arena of its own.
 """
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ class SharedMemoryGroup:
         if path.startswith("error: "):
             if self.rank == 0:
                 print(
-                    f"kiln: WARNING: {self.label}'s collectives stay on gloo (slower on CPU): no "
-                    f"room for their shared-memory buffer, {path[7:]}. Give /dev/shm more room "
-                    "(docker run --shm-size=1g), or set distributed.shared_memory_collectives = "
-                    "false",
+                    f"kiln: WARNING: the {self.label} group's collectives stay on gloo (slower on "
+                    f"CPU): no room for their shared-memory buffer, {path[7:]}. Give /dev/shm "
+                    "more room (docker run --shm-size=1g), or set "
+                    "distributed.shared_memory_collectives = false",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from kiln.parallel import shared_memory_process_group as shm_group
+from tests.distributed.test_shared_memory_collectives import seeded
 
 
 def test_collectives_are_the_rank_order_sums_in_pieces_and_groups(gangs):
@@ -39,11 +40,6 @@ def test_tensor_parallel_training_is_bitwise_that_of_gloo(gangs):
     # The arena that cannot be reserved: rank 0 says so once, both ranks use gloo.
     warnings = [output.count("collectives stay on gloo") for output in outputs]
     assert warnings == [1, 0], outputs
-
-
-def seeded(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 + seed)
-    return torch.randn(numel, generator=generator).to(dtype)
 
 
 def in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
