@@ -6,8 +6,9 @@ on CPU spent a third of its time waiting on them (benchmarks/test_suite.md). Thi
 gloo backend for everything else (broadcasts, object collectives, all-to-alls, point-to-point,
 other reductions), so it is a drop-in for the group of a mesh dimension: DTensor's functional
 collectives find it by the group's name and call the three methods below, as they call
-ProcessGroupGloo's. The arena and its three collectives are those of FSDP's CPU path
-(shared_memory_collectives.py); its ranks must share a host, like every rank of a tp group does.
+ProcessGroupGloo's. The arena is that of FSDP's CPU path (shared_memory_collectives.py), with an
+all-reduce beside its all-gather and reduce-scatter; a group whose ranks do not share a host (or
+whose arena finds no room) finds out when it is created, on rank 0's word, and keeps gloo.
 """
 
 from __future__ import annotations
