@@ -76,7 +76,7 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         )
 
     def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
-        op = opts.reduceOp.op  # the ReduceOp's kind: the options' ReduceOp is not in SUMS
+        op = opts.reduceOp.op  # a RedOpType, comparable with SUMS (the ReduceOp object is not)
         if not self._shares(tensors) or op not in SUMS:
             return self.gloo.allreduce(tensors, opts)
         for tensor in tensors:
