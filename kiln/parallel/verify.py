@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
 from kiln.config.pipeline import num_stages
-from kiln.config.sections import DataConfig, DistributedConfig, ModelConfig
+from kiln.config.sections import DataConfig, DistributedConfig, EvalConfig, ModelConfig
 from kiln.config.validate import LAYOUT_DIMS
 from kiln.errors import KilnError
 
@@ -66,12 +66,42 @@ def proxy_config(
     proxy.data = DataConfig(
         source="demo", path=data_path, document_mask=cfg.data.document_mask, num_workers=0
     )
-    proxy.eval.interval = 0
+    set_aside(proxy)
     proxy.checkpoint.dir, proxy.checkpoint.interval, proxy.checkpoint.save_final = "", 0, False
     proxy.checkpoint.resume, proxy.checkpoint.load_path = "never", ""
     proxy.metrics.run_dir, proxy.metrics.log_interval, proxy.metrics.plot = str(run_dir), 1, False
     validate(proxy, world_size)
     return proxy
+
+
+def set_aside(cfg: JobConfig) -> list[str]:
+    """Turn off what does not apply to a short proxy run on the CPU and name each thing turned
+    off. None of it changes what the layout computes, and a shipped recipe's settings for the
+    real run (profiling at step 20, W&B online, held-out data) would otherwise refuse or stall
+    a five-step run on the built-in corpus."""
+    notes = []
+    if cfg.profiling.enabled:
+        p = cfg.profiling
+        notes.append(f"profiling (steps {p.start_step}..{p.end_step})")
+        p.enabled = False
+    for flag, name in (("wandb", "W&B logging"), ("tensorboard", "TensorBoard logging")):
+        if getattr(cfg.metrics, flag):
+            notes.append(name)
+            setattr(cfg.metrics, flag, False)
+    if cfg.eval.interval > 0 or cfg.eval.tasks:
+        notes.append("evaluation (held-out loss, tasks)")
+        cfg.eval = EvalConfig()
+    if cfg.train.stop_at_step or cfg.train.time_limit_minutes:
+        notes.append("train.stop_at_step / train.time_limit_minutes")
+        cfg.train.stop_at_step, cfg.train.time_limit_minutes = 0, 0.0
+    if cfg.resilience.debug_nan_steps:
+        notes.append(f"NaN injection at steps {cfg.resilience.debug_nan_steps}")
+        cfg.resilience.debug_nan_steps = []
+    if cfg.resilience.nan_action == "rollback":
+        # Rollback needs a checkpoint to return to, and the proxy run writes none.
+        notes.append("resilience.nan_action = 'rollback' (runs as 'stop')")
+        cfg.resilience.nan_action = "stop"
+    return notes
 
 
 def _shrink_experts(m: ModelConfig, *, pipelined: bool) -> None:
@@ -115,6 +145,9 @@ def verify(
     """Run both, print a per-step table, return whether every step agrees within tolerance.
     `run_jobs` trains the layout and its one-process twin; by default each is its own command
     (torchrun for the layout), both at once."""
+    notes = set_aside(copy.deepcopy(cfg))
+    if notes:
+        print("not part of the proxy run: " + "; ".join(notes))
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
         proxy = proxy_config(
             cfg, world_size, steps=steps, run_dir=Path(tmp) / "layout", data_path=data_path
@@ -196,10 +229,23 @@ def _report(
 
 
 def _tail(stdout: str, stderr: str) -> str:
-    """The lines that say what went wrong: kiln's own error, else the exception, else the end."""
+    """The lines that say what went wrong: kiln's own error with its indented lines (the bullets
+    that name each problem), else the exception, else the end. Every rank may print the same
+    error, so repeated lines are kept once."""
     lines = (stdout + stderr).strip().splitlines()
     for marker in ("error:", "Error:"):
-        found = [line for line in lines if marker in line and "elastic" not in line]
+        found = [i for i, line in enumerate(lines) if marker in line and "elastic" not in line]
         if found:
-            return "\n".join(dict.fromkeys(found[:3]))
+            kept = [line for i in found[:3] for line in [lines[i], *_indented_after(lines, i)]]
+            return "\n".join(dict.fromkeys(kept))
     return "\n".join(lines[-5:])
+
+
+def _indented_after(lines: list[str], i: int) -> list[str]:
+    """The indented lines that follow line i: the rest of a multi-line error message."""
+    block = []
+    for line in lines[i + 1 :]:
+        if not line.startswith((" ", "\t")):
+            break
+        block.append(line)
+    return block

@@ -7,11 +7,20 @@ starting torchrun and its processes for each."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from kiln.config import load_config, resolve_layout
-from kiln.parallel.verify import proxy_config, read_records, single_process_twin, write_recipe
+from kiln.errors import KilnError
+from kiln.parallel.verify import (
+    _records,
+    default_world_size,
+    proxy_config,
+    read_records,
+    single_process_twin,
+    write_recipe,
+)
 from kiln.parallel.verify import verify as verify_layout
 from tests.conftest import DEBUG_CONFIG, REPO
 from tests.distributed.workers import kiln_train
@@ -137,3 +146,46 @@ def test_verify_runs_a_shipped_recipe_as_it_is(demo_data, tmp_path):
     assert "PASS" in result.stdout and "dp_shard=2" in result.stdout
     proxy = proxy_config(load_config(recipe), 2, steps=2, run_dir=tmp_path, data_path="demo")
     assert (proxy.train.device, proxy.train.mixed_precision) == ("cpu", "fp32")
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted((REPO / "configs" / "train").glob("*.toml")), ids=lambda p: p.stem
+)
+def test_every_shipped_recipe_has_a_valid_proxy(recipe, tmp_path):
+    """The docs say any shipped recipe can be verified: its proxy validates at the recipe's
+    own layout, with what a short CPU run cannot do (profiling at step 20, W&B, evaluation,
+    NaN rollback) set aside."""
+    cfg = load_config(recipe)
+    world_size = default_world_size(cfg.distributed)
+    proxy = proxy_config(cfg, world_size, steps=5, run_dir=tmp_path, data_path="demo")
+    assert not proxy.profiling.enabled and not proxy.metrics.wandb
+
+
+def test_verify_says_what_it_set_aside(tmp_path, capsys):
+    """The tour's command: the 13B validation recipe on 8 processes (profiling at steps 20..22,
+    W&B online, held-out eval) runs its proxy and names what the proxy leaves out."""
+    recipe = REPO / "configs" / "train" / "13b_24gpu_validation.toml"
+    cfg = load_config(recipe, ["--distributed.dp_shard=2"])
+    records = {step: {"step": step, "loss": 5.0, "grad_norm": 1.0} for step in range(1, 6)}
+    passed = verify_layout(
+        cfg, 8, steps=5, data_path="demo", run_jobs=lambda jobs, tmp: [records, records]
+    )
+    out = capsys.readouterr().out
+    assert passed and "PASS" in out
+    assert "not part of the proxy run: profiling (steps 20..22); W&B logging" in out
+
+
+def test_a_failed_run_keeps_the_lines_that_say_what_is_wrong(tmp_path):
+    stderr = (
+        "kiln train: error: invalid config (1 problem):\n"
+        "  - data.path 'x' not found: run kiln prepare\n"
+        "E0101 torch.distributed.elastic: failed\n"
+    )
+    process = SimpleNamespace(returncode=2)
+    cfg = load_config(DEBUG_CONFIG)
+    with pytest.raises(KilnError) as failed:
+        _records("one-process", cfg, process, "", stderr)
+    message = str(failed.value)
+    assert "the one-process run failed" in message and "invalid config (1 problem)" in message
+    assert "  - data.path 'x' not found: run kiln prepare" in message
+    assert "elastic" not in message
