@@ -3,18 +3,46 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint format clean
+.PHONY: install lock demo test lint format clean
 
-# pip installs torch (the local CPU build where the machine has one) and uv; uv resolves and
-# installs the other packages in parallel: 40 s on two cores where pip alone takes over two
-# minutes (benchmarks/test_suite.md).
-$(BIN)/.kiln-installed: pyproject.toml
+# The environment is locked: requirements.lock pins every package at an exact version, so CI, a
+# user and the next developer install the same ones. `make lock` refreshes it; `pip install .`
+# keeps pyproject's ranges. The installer is pinned too: it reads and writes the lock.
+UV_VERSION := 0.13.9
+# A directory with the CPU build of torch (`make lock` resolves torch's dependencies from it).
+TORCH_WHEELS ?= /opt/wheels
+
+$(BIN)/uv:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q torch==2.13.0 uv
-	$(BIN)/python -m uv pip install -q --python $(BIN)/python -e ".[dev]"
+	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
+
+# pip installs torch at the lock's version: the local CPU build where the machine has one (pip's
+# find-links), else PyPI's with the CUDA packages that torch itself pins exactly. uv installs the
+# rest of the lock in parallel, 40 s on two cores where pip alone takes over two minutes
+# (benchmarks/test_suite.md). --no-deps: the lock is the whole environment, nothing is resolved
+# again; `uv pip check` then fails if the lock missed a dependency. A package the lock drops stays
+# in an existing .venv (`uv pip sync` would remove everything the lock does not list, a GPU
+# machine's CUDA packages among them): `rm -rf .venv` for an exact copy.
+$(BIN)/.kiln-installed: pyproject.toml requirements.lock | $(BIN)/uv
+	$(BIN)/python -m pip install -q -c requirements.lock torch
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -r requirements.lock
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
+	$(BIN)/uv pip check -q --python $(BIN)/python
 	touch $@
 
 install: $(BIN)/.kiln-installed
+
+# Resolves the newest versions that pyproject's ranges and the [dev] extra allow (--upgrade: uv
+# would otherwise keep the old lock's pins), for CI's platform, Python 3.11 on x86-64 Linux,
+# whichever machine runs it: a resolution differs by platform (wheels, markers), and the lock is
+# the one CI installs. torch resolves to the CPU build, whose dependencies leave out the CUDA stack; its local
+# label (+cpu) is dropped so that torch==2.13.0 also matches PyPI's build on a machine without
+# the local wheel.
+lock: $(BIN)/uv
+	$(BIN)/uv pip compile -q --upgrade pyproject.toml --extra dev \
+		--python-version 3.11 --python-platform x86_64-unknown-linux-gnu \
+		--find-links $(TORCH_WHEELS) --custom-compile-command "make lock" -o requirements.lock
+	sed -i 's/^torch==\([^+]*\)+cpu$$/torch==\1/' requirements.lock
 
 demo: install
 	$(BIN)/kiln prepare --demo
