@@ -24,7 +24,6 @@ from kiln.parallel.float8 import convert_to_float8
 from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.mixed_precision import fsdp_policy
-from kiln.parallel.mutations import mutation_on
 from kiln.parallel.pipeline import split_into_stages
 from kiln.parallel.shared_memory_collectives import use_shared_memory_collectives
 from kiln.parallel.tensor_parallel import apply_tensor_parallel
@@ -61,8 +60,6 @@ def apply_parallelism(
         pipelined=pipelined,
         reshard_after_forward=cfg.distributed.reshard_after_forward,
     )
-    # The order mistake the seeds warn about; the parity tests must catch it.
-    wrong_order = mutation_on("KILN_TEST_FSDP_BEFORE_TP") and fsdp_mesh is not None
     for part in parts:
         if cfg.train.mixed_precision == "fp8":
             convert_to_float8(
@@ -72,8 +69,6 @@ def apply_parallelism(
                 tp=degrees["tp"],
                 excluded=plan.float8_excluded,
             )
-        if wrong_order:
-            shard(part)
         if degrees["tp"] > 1:
             apply_tensor_parallel(part, plan, parallel.mesh["tp"], float8=_float8_styles(cfg))
         if degrees["ep"] > 1:
@@ -84,7 +79,7 @@ def apply_parallelism(
         if cfg.train.compile:
             for block in getattr(part, plan.blocks).values():
                 block.compile()
-        if sharded and not wrong_order:
+        if sharded:
             shard(part)
     if sharded and _device(parallel).type == "cpu" and cfg.distributed.shared_memory_collectives:
         use_shared_memory_collectives(parts, timeout_s=cfg.resilience.collective_timeout_s)
@@ -101,6 +96,6 @@ def _device(parallel: ParallelContext | None) -> torch.device:
 
 
 def _sequence_mesh(parallel: ParallelContext | None) -> DeviceMesh | None:
-    if parallel is None or mutation_on("KILN_TEST_MOE_GRADS_NOT_SUMMED_OVER_TP"):
+    if parallel is None:
         return None
     return parallel.sequence_fsdp_mesh()

@@ -21,7 +21,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from kiln.model.parallel_plan import ParallelPlan
-from kiln.parallel.mutations import mutation_on
 
 
 def apply_fsdp(
@@ -139,6 +138,6 @@ def gradient_average_compensation(mesh: DeviceMesh | None) -> int:
     """FSDP averages gradients over its ranks; the loss is already divided by the global token
     count, so gradients must be summed (DESIGN §4). Scaling the loss by the rank count undoes the
     average on every backend (gloo has no PREMUL_SUM for `set_gradient_divide_factor`)."""
-    if mesh is None or mutation_on("KILN_TEST_AVERAGE_GRADIENTS"):
+    if mesh is None:
         return 1
     return mesh.size()

@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 from kiln.config.sections import JobConfig
 from kiln.model.transformer import Transformer
 from kiln.parallel.mesh import ParallelContext
-from kiln.parallel.mutations import mutation_on
 from kiln.parallel.pipeline_split import (
     microbatches,
     num_stages,
@@ -84,8 +83,9 @@ def build_schedule(
         stages[0] if len(stages) == 1 and dist_cfg.pp_schedule in ("gpipe", "1f1b") else stages,
         n_microbatches=microbatches(dist_cfg, cfg.train.batch_size),
         loss_fn=loss_fn,
-        # False: the loss is already normalized. The mutation scales twice; parity must catch it.
-        scale_grads=mutation_on("KILN_TEST_PP_SCALE_GRADS"),
+        # False: the loss is already normalized; scaling again would divide twice, which the
+        # parity tests catch (tests/support/mutations.py).
+        scale_grads=False,
     )
 
 

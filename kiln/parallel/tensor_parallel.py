@@ -17,7 +17,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from kiln.model.parallel_plan import ParallelPlan
 from kiln.parallel.float8 import float8_tensor_parallel
-from kiln.parallel.mutations import mutation_on, unreduced_norm_gradients
 
 
 def apply_tensor_parallel(
@@ -32,11 +31,8 @@ def apply_tensor_parallel(
         parallelize_module(
             model, mesh, float8_tensor_parallel(model, present) if float8 else present
         )
-    unreduced = mutation_on("KILN_TEST_UNREDUCED_SP_NORM_GRADS")
     for block in getattr(model, plan.blocks).values():
         styles = plan.block_tp(block)
-        if unreduced:
-            styles = unreduced_norm_gradients(styles)
         if float8:
             styles = float8_tensor_parallel(block, styles)
         parallelize_module(block, mesh, styles)

@@ -16,13 +16,13 @@ def gangs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def train(gangs, demo_data):
-    """train(run_dir, nproc, *overrides, steps=STEPS, env=None): `kiln train` with the parity
-    arguments on `nproc` ranks of a gang; returns each rank's output. `env`: switches for this
-    job only."""
+    """train(run_dir, nproc, *overrides, steps=STEPS, mutation=None): `kiln train` with the
+    parity arguments on `nproc` ranks of a gang; returns each rank's output. `mutation`: one of
+    tests/support/mutations.py, for this job only."""
 
-    def run(run_dir, nproc, *overrides, steps=STEPS, env=None):
+    def run(run_dir, nproc, *overrides, steps=STEPS, mutation=None):
         args = train_args(run_dir, demo_data, *overrides, steps=steps)
-        return gangs.run(nproc, kiln_train, args, env=env)
+        return gangs.run(nproc, kiln_train, args, mutation=mutation)
 
     return run
 

@@ -164,9 +164,9 @@ def test_moe_gradients_not_summed_over_tp_are_caught_at_the_first_step(runs, tra
     so are the biases (their counts are summed over tp separately); every routed-expert, router
     and shared-expert gradient norm is not (about 35-45% low)."""
     nproc, overrides, reference_overrides = LAYOUTS["tp=2 x dp_shard=2"]
-    switch = {"KILN_TEST_MOE_GRADS_NOT_SUMMED_OVER_TP": "1"}
     run_dir = tmp_path / "run"
-    train(run_dir, nproc, *overrides, *MOE, "--train.stop_at_step=3", env=switch)
+    mutation = "moe_grads_not_summed_over_tp"
+    train(run_dir, nproc, *overrides, *MOE, "--train.stop_at_step=3", mutation=mutation)
     got, expected = records(run_dir), reference(runs, reference_overrides)
     first = mismatches(got[1], expected[1])
     assert "loss" not in first and not moe_mismatches(got[1], expected[1]), first

@@ -24,6 +24,7 @@ from kiln.parallel.verify import (
 from kiln.parallel.verify import verify as verify_layout
 from tests.conftest import DEBUG_CONFIG, REPO
 from tests.distributed.workers import kiln_train
+from tests.support.mutations import subprocess_env
 
 
 def verify(demo_data, tmp_path, *extra, env=None, recipe=DEBUG_CONFIG, steps=4):
@@ -50,12 +51,14 @@ def verify(demo_data, tmp_path, *extra, env=None, recipe=DEBUG_CONFIG, steps=4):
 
 @pytest.fixture
 def verify_on_gangs(gangs, demo_data, capsys):
-    """verify_on_gangs(recipe, world_size, *overrides, env=None) -> (passed, printed report)."""
+    """verify_on_gangs(recipe, world_size, *overrides, mutation=None) -> (passed, printed
+    report); `mutation` (tests/support/mutations.py) is installed in both runs' jobs."""
 
-    def run(recipe, world_size, *overrides, env=None):
+    def run(recipe, world_size, *overrides, mutation=None):
         def run_jobs(jobs, tmp):
             for cfg, nproc in jobs:
-                gangs.run(nproc, kiln_train, [str(write_recipe(cfg, tmp))], env=env)
+                args = [str(write_recipe(cfg, tmp))]
+                gangs.run(nproc, kiln_train, args, mutation=mutation)
             return [read_records(cfg) for cfg, _ in jobs]
 
         cfg = load_config(recipe, list(overrides))
@@ -87,8 +90,9 @@ def test_the_proxy_of_a_large_moe_recipe_keeps_experts_and_top_k(tmp_path):
 
 
 def test_averaged_instead_of_summed_gradients_are_caught(verify_on_gangs):
-    env = {"KILN_TEST_AVERAGE_GRADIENTS": "1"}
-    passed, report = verify_on_gangs(DEBUG_CONFIG, 2, "--distributed.dp_shard=2", env=env)
+    passed, report = verify_on_gangs(
+        DEBUG_CONFIG, 2, "--distributed.dp_shard=2", mutation="average_gradients"
+    )
     assert not passed and "FAIL" in report and "<- differs" in report, report
 
 
@@ -99,10 +103,12 @@ def test_fsdp_before_tp_is_caught(demo_data, tmp_path):
         "--world-size",
         "4",
         "--distributed.tp=2",
-        env={"KILN_TEST_FSDP_BEFORE_TP": "1"},
+        env=subprocess_env("fsdp_before_tp"),
     )
     assert result.returncode != 0, result.stdout + result.stderr
     assert "the layout run failed" in result.stderr
+    # The mutation reached torchrun's ranks: tensor parallel met parameters FSDP had sharded.
+    assert "Cannot distribute a DTensor with device mesh DeviceMesh((dp_shard" in result.stderr
 
 
 def test_the_proxies_of_tp_and_zero_bubble_layouts_keep_their_structure(tmp_path):
@@ -132,8 +138,9 @@ def test_the_proxies_of_tp_and_zero_bubble_layouts_keep_their_structure(tmp_path
 
 
 def test_pipeline_gradients_scaled_twice_are_caught(verify_on_gangs):
-    env = {"KILN_TEST_PP_SCALE_GRADS": "1"}
-    passed, report = verify_on_gangs(DEBUG_CONFIG, 2, "--distributed.pp=2", env=env)
+    passed, report = verify_on_gangs(
+        DEBUG_CONFIG, 2, "--distributed.pp=2", mutation="pp_scale_grads"
+    )
     assert not passed and "FAIL" in report and "<- differs" in report, report
 
 

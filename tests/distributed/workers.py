@@ -7,8 +7,9 @@ in sequence. A job is a module-level function called on every rank with the same
 `kiln_train` is `kiln train` itself: the same `kiln.cli.main`, so the config is built and the
 Trainer run exactly as on the command line, and the process group is set up from env:// (on a
 store the gang starts for each job, as torchrun's agent does) and torn down at the clean end of
-the job, as `kiln train` does under torchrun. Environment switches (KILN_TEST_*) are set for one
-job only and every job gets its own output file per rank.
+the job, as `kiln train` does under torchrun. Environment variables and a mutation
+(tests/support/mutations.py, by name) are set for one job only, and every job gets its own
+output file per rank.
 
 A job that fails on any rank (an exception, a non-zero exit, a dead process) or runs past its
 time limit is reported with every rank's traceback and output. When every rank answered (each
@@ -31,6 +32,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from torch.distributed import TCPStore
+
+from tests.support import mutations
 
 JOB_TIMEOUT_S = 300
 # A worker with more threads than this is replaced before its next job: a safety net, since
@@ -106,8 +109,16 @@ class Gang:
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
 
-    def run(self, function, *args, env: dict | None = None, timeout: float = JOB_TIMEOUT_S):
-        """Call `function(*args)` on every rank; return each rank's output (stdout and stderr)."""
+    def run(
+        self,
+        function,
+        *args,
+        env: dict | None = None,
+        mutation: str | None = None,
+        timeout: float = JOB_TIMEOUT_S,
+    ):
+        """Call `function(*args)` on every rank, with `mutation` installed (None: none);
+        return each rank's output (stdout and stderr)."""
         self.jobs += 1
         logs = [self.log_dir / f"job_{self.jobs}_rank_{r}.txt" for r in range(self.world_size)]
         # The job's store is up before any rank starts, hosted here as torchrun's agent hosts
@@ -115,7 +126,7 @@ class Gang:
         # (0.3-0.6 s of each job's start-up, benchmarks/test_suite.md).
         store = TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
         agent = {"MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-        job = (function, args, {**(env or {}), **agent})
+        job = (function, args, {**(env or {}), **agent}, mutation)
         for conn, log in zip(self.conns, logs, strict=True):
             conn.send((*job, str(log)))
         started = time.monotonic()
@@ -174,7 +185,14 @@ class Gangs:
     def __init__(self, log_dir: Path):
         self.log_dir, self.gangs, self.started = log_dir, {}, 0
 
-    def run(self, world_size: int, function, *args, env: dict | None = None) -> list[str]:
+    def run(
+        self,
+        world_size: int,
+        function,
+        *args,
+        env: dict | None = None,
+        mutation: str | None = None,
+    ) -> list[str]:
         gang = self.gangs.get(world_size)
         if gang is not None and gang.alive and gang.threads() > MAX_THREADS:
             gang.close()  # leftover gloo threads slow every job: start afresh
@@ -182,7 +200,7 @@ class Gangs:
             self.started += 1
             gang = Gang(world_size, self.log_dir / f"gang_{self.started}_of_{world_size}")
             self.gangs[world_size] = gang
-        return gang.run(function, *args, env=env)
+        return gang.run(function, *args, env=env, mutation=mutation)
 
     def close(self) -> None:
         for gang in self.gangs.values():
@@ -227,12 +245,12 @@ def serve(rank: int, world_size: int, conn, log: str) -> None:
             conn.send(_run(*job))
 
 
-def _run(function, args: tuple, env: dict, log: str) -> str | None:
+def _run(function, args: tuple, env: dict, mutation: str | None, log: str) -> str | None:
     saved_env = dict(os.environ)
     saved_handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
     os.environ.update(env)
     try:
-        with _output_to(log):
+        with _output_to(log), mutations.installed(mutation):
             function(*args)
     except BaseException:  # SystemExit too: argparse exits on a bad argument
         return traceback.format_exc()
