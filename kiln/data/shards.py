@@ -226,10 +226,20 @@ def check_output_free(path: Path, overwrite: bool) -> None:
 def read_index(path: str | Path) -> dict[str, Any]:
     """Load and check `index.json` of a dataset directory; KilnError says how to fix a bad one."""
     path = Path(path)
+    if path.is_file():
+        # Training reads token shards, not text: say so rather than "not found".
+        output = Path("data") / path.stem
+        raise KilnError(
+            f"{path} is a file, and training reads a dataset directory of token shards: "
+            f"prepare it with `kiln prepare --input {path} --tokenizer tokenizer.json "
+            f"--output {output}` (or --train-tokenizer VOCAB_SIZE instead of --tokenizer), "
+            f"then set data.path={output}"
+        )
     if not path.is_dir():
         raise KilnError(
-            f"dataset directory not found: {path}; create one with `kiln prepare` "
-            "or use the built-in demo corpus"
+            f"dataset directory not found: {path}; create one with `kiln prepare --input ... "
+            f"--tokenizer tokenizer.json --output {path}` or use the built-in demo corpus "
+            '(data.source = "demo")'
         )
     index_path = path / INDEX_FILE
     if not index_path.is_file():

@@ -175,6 +175,17 @@ def test_out_of_range_token_is_rejected(tmp_path: Path, tokenizer_file: Path) ->
     assert not (tmp_path / "ds").exists()
 
 
+def test_a_text_file_as_dataset_says_how_to_prepare_it(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("some text")
+    with pytest.raises(KilnError) as error:
+        TokenDataset(notes, seq_len=8)
+    message = str(error.value)
+    assert "is a file" in message and "not found" not in message
+    assert f"kiln prepare --input {notes} --tokenizer tokenizer.json --output data/notes" in message
+    assert "data.path=data/notes" in message
+
+
 def test_dataset_errors(tmp_path: Path, tokenizer_file: Path) -> None:
     with pytest.raises(KilnError, match="not found"):
         TokenDataset(tmp_path / "missing", seq_len=8)
