@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import glob
 import json
+import sys
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +91,13 @@ def path_sources(path: Path) -> list[InputSource]:
     if is_saved_dataset(path):
         return [InputSource("hf", str(path))]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        found = [p for p in path.rglob("*") if p.is_file()]
+        files = sorted(p for p in found if p.suffix in SUFFIXES)
+        skipped = skipped_note(path, [p for p in found if p.suffix not in SUFFIXES])
         if not files:
-            raise KilnError(f"no input files ({', '.join(SUFFIXES)}) found in {path}")
+            raise KilnError(f"no input files ({', '.join(SUFFIXES)}) found in {path}{skipped}")
+        if skipped:
+            print(f"prepare: {path}{skipped}", file=sys.stderr)
         return [InputSource(file.suffix[1:], str(file)) for file in files]
     if path.is_file():
         if path.suffix not in SUFFIXES:
@@ -99,6 +105,20 @@ def path_sources(path: Path) -> list[InputSource]:
         return [InputSource(path.suffix[1:], str(path))]
     raise KilnError(
         f"input not found: {path}; pass existing files, folders, glob patterns or datasets"
+    )
+
+
+def skipped_note(folder: Path, skipped: list[Path]) -> str:
+    """'' or how many files of a folder were left out and of which kinds: a folder of .md or .py
+    files would otherwise be read as a much smaller corpus without a word."""
+    if not skipped:
+        return ""
+    kinds = Counter(p.suffix or "(no extension)" for p in skipped)
+    listed = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common(6))
+    more = ", ..." if len(kinds) > 6 else ""
+    return (
+        f": skipped {len(skipped)} file{'s' if len(skipped) > 1 else ''} of other types "
+        f"({listed}{more}); kiln prepare reads {', '.join(SUFFIXES)}"
     )
 
 

@@ -95,7 +95,9 @@ def prepare_dataset(
             tokenizer_path = Path(tmp) / "tokenizer.json"
             texts = training_texts(resolved, text_key, split, val)
             print(f"prepare: training a {train_tokenizer}-token BPE tokenizer", file=sys.stderr)
-            train_bpe_tokenizer(texts, train_tokenizer).save(str(tokenizer_path))
+            tokenizer = train_bpe_tokenizer(texts, train_tokenizer)
+            note_small_vocabulary(tokenizer.get_vocab_size(), train_tokenizer)
+            tokenizer.save(str(tokenizer_path))
         workers = (os.cpu_count() or 1) if num_workers is None else num_workers
         return write_dataset(
             resolved,
@@ -108,6 +110,19 @@ def prepare_dataset(
             overwrite=overwrite,
             shard_tokens=shard_tokens,
             metadata=metadata,
+        )
+
+
+def note_small_vocabulary(learned: int, asked: int) -> None:
+    """BPE stops when the text has no pair left to merge: on a small corpus the vocabulary is
+    smaller than asked, which the user should know before sizing model.vocab_size."""
+    if learned < asked:
+        print(
+            f"prepare: the inputs are too small for a {asked}-token vocabulary: BPE learned "
+            f"every merge they hold and stopped at {learned} tokens. The tokenizer has "
+            f"{learned} tokens (model.vocab_size >= {learned} fits it); more text gives a "
+            "larger one",
+            file=sys.stderr,
         )
 
 

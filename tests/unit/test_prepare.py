@@ -168,6 +168,33 @@ def test_train_tokenizer_on_the_inputs(tmp_path: Path) -> None:
         prepare([tmp_path / "in.jsonl"], None, tmp_path / "x")
 
 
+def test_a_vocabulary_smaller_than_asked_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    out = prepare([tmp_path / "in.jsonl"], None, tmp_path / "out", train_tokenizer=32000)
+    learned = load_tokenizer(out / "tokenizer.json").get_vocab_size()
+    err = capsys.readouterr().err
+    assert "too small for a 32000-token vocabulary" in err and f"stopped at {learned} tokens" in err
+
+
+def test_a_folder_says_which_files_it_skipped(
+    tmp_path: Path, tokenizer_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXTS[0])
+    for name in ("b.md", "c.md", "d.py"):
+        (folder / name).write_text(TEXTS[1])
+    prepare([folder], tokenizer_file, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "skipped 3 files of other types (2 .md, 1 .py)" in err
+    assert "kiln prepare reads .txt, .jsonl, .parquet" in err
+    (folder / "a.txt").unlink()
+    with pytest.raises(KilnError, match=r"no input files .* skipped 3 files"):
+        prepare([folder], tokenizer_file, tmp_path / "none")
+
+
 def test_token_dtype_follows_the_vocabulary(tmp_path: Path) -> None:
     assert token_dtype(2**16) == np.uint16 and token_dtype(2**16 + 1) == np.uint32
     tokenizer = train_bpe_tokenizer(TEXTS, vocab_size=300)
