@@ -19,12 +19,18 @@ import torch
 
 from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, read_train_state
 from kiln.checkpoint.fingerprint import fingerprint_changes
-from kiln.checkpoint.layout import complete_steps, latest_complete, resolve_checkpoint
-from kiln.checkpoint.layout import resume_candidates as intact_candidates
-from kiln.checkpoint.saver import CheckpointSaver
+from kiln.checkpoint.layout import (
+    Skipped,
+    complete_steps,
+    latest_complete,
+    resolve_checkpoint,
+    resume_candidates,
+)
+from kiln.checkpoint.saver import CheckpointSaver, SaveRecord
 from kiln.checkpoint.state import Modules, Optimizers
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError, KilnError
+from kiln.events import EventLog
 from kiln.parallel.agree import decide_on_main, is_main
 
 RESUME_FROM, CONTINUE, WARM_START, SCRATCH = "resume", "continue", "warm start", "scratch"
@@ -38,6 +44,7 @@ class StartPoint:
     path: Path | None = None
     step: int = 0
     train_state: dict | None = None  # what a resume continues: data position, tokens seen
+    skipped: tuple[Skipped, ...] = ()  # newer checkpoints passed over, and why
 
     @property
     def loads_weights(self) -> bool:
@@ -46,8 +53,12 @@ class StartPoint:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig, *, device: torch.device):
-        self.cfg, self.model = cfg.checkpoint, cfg.model
+    """The run's checkpoints, the same on every rank; each commit, resume and skipped
+    checkpoint recorded in `events` (rank 0's log)."""
+
+    def __init__(self, cfg: JobConfig, *, device: torch.device, events: EventLog):
+        self.cfg, self.model, self.train = cfg.checkpoint, cfg.model, cfg.train
+        self.events = events
         # Stopping early (stop_at_step, a time limit) ends with a checkpoint too.
         self.will_save = bool(
             self.cfg.interval
@@ -84,18 +95,19 @@ class CheckpointManager:
 
     def _start_point(self, fingerprint: dict[str, Any]) -> StartPoint:
         if self.cfg.resume != "never":
-            newest, skipped = intact_candidates(self.dir)
-            for message in skipped:
-                _warn(message)
+            newest, skipped = resume_candidates(self.dir)
+            for passed in skipped:
+                _warn(passed.message())
             if newest is None and complete_steps(self.dir):
+                found = "".join(f"\n  - {passed.path}: {passed.reason}" for passed in skipped)
                 raise KilnError(
-                    f"{self.dir} holds checkpoints but none is intact; move them away to start "
-                    "over, or fix them"
+                    f"{self.dir} holds checkpoints but none is intact:{found}\nmove them away "
+                    "to start over, or point checkpoint.load_path at a good copy"
                 )
             if newest is not None:
                 state = read_train_state(newest)
                 self._check_fingerprint(newest, state.get("fingerprint"), fingerprint)
-                return StartPoint(RESUME_FROM, newest, state["step"], state)
+                return StartPoint(RESUME_FROM, newest, state["step"], state, tuple(skipped))
         if self.cfg.load_path:
             path = resolve_checkpoint(self.cfg.load_path)
             _check_same_model(path, self.model)
@@ -122,6 +134,8 @@ class CheckpointManager:
             if horizon
             else ""
         )
+        if saved.get("train.global_batch") != current.get("train.global_batch"):
+            why += self._batch_hint(saved["train.global_batch"], current["train.global_batch"])
         if self.cfg.resume != "force":
             raise ConfigError(
                 f"{path} was written by a run with different settings ({listing}).{why} "
@@ -129,6 +143,26 @@ class CheckpointManager:
                 "pass --checkpoint.resume=force to continue with the new settings anyway"
             )
         _warn(f"checkpoint.resume = 'force': continuing {path} with changes: {listing}")
+
+    def _batch_hint(self, saved: int, current: int) -> str:
+        """How to keep the run's global batch on this number of data ranks."""
+        accum, batch_size = self.train.grad_accum_steps, self.train.batch_size
+        data_ranks = current // (batch_size * accum)
+        keep = []
+        if saved % (accum * data_ranks) == 0:
+            keep.append(f"--train.batch_size={saved // (accum * data_ranks)}")
+        if saved % (batch_size * data_ranks) == 0:
+            keep.append(f"--train.grad_accum_steps={saved // (batch_size * data_ranks)}")
+        how = (
+            f"pass {' or '.join(keep)} to keep it"
+            if keep
+            else "no batch size or accumulation keeps it on this many ranks"
+        )
+        return (
+            f" The global batch is train.batch_size × train.grad_accum_steps × data ranks: "
+            f"{saved} sequences in the checkpoint, {batch_size} × {accum} × {data_ranks} = "
+            f"{current} here; {how}."
+        )
 
     def restore(self, start: StartPoint, *, model: Modules, optimizer: Optimizers) -> dict | None:
         """Load what `start` names into the model (and optimizer, RNG); return the saved train
@@ -142,6 +176,10 @@ class CheckpointManager:
         state = load_checkpoint(start.path, model=model, optimizer=optimizer, restore_rng=True)
         where = "resumed from" if start.kind == RESUME_FROM else "continuing"
         _say(f"{where} {start.path} (step {state['step']}) in {self.dir}")
+        skipped = [{"path": str(s.path), "reason": s.reason} for s in start.skipped]
+        self.events.write(
+            "resume", step=state["step"], path=start.path, kind=start.kind, skipped=skipped
+        )
         return state
 
     def probe_writable(self) -> None:
@@ -159,9 +197,14 @@ class CheckpointManager:
         )
 
     def save(self, step: int, **state: Any) -> None:
-        """Checkpoint `step` (in the background with checkpoint.async_mode = "async")."""
-        self.saver.save(step, **state)
+        """Checkpoint `step` (in the background with checkpoint.async_mode = "async", after
+        committing a save still in flight)."""
+        self._committed(self.saver.wait(after_step=step))
+        record = self.saver.save(step, **state)
         self.last_saved_step = step
+        if record is None:
+            _say(f"checkpoint of step {step}: writing in the background")
+        self._committed(record)
 
     def is_saved(self, step: int) -> bool:
         return self.last_saved_step == step
@@ -171,22 +214,43 @@ class CheckpointManager:
         `finish_save`)."""
         return self.saver.written_locally()
 
-    def finish_save(self) -> None:
-        """Collective: commit the save in flight (call on every rank at the same step)."""
-        self.saver.wait()
+    def finish_save(self, *, after_step: int) -> None:
+        """Collective: commit the save in flight, if any (call on every rank at the same step,
+        `after_step` the last finished training step)."""
+        self._committed(self.saver.wait(after_step=after_step))
+
+    def _committed(self, record: SaveRecord | None) -> None:
+        if record is None:
+            return
+        _say(
+            f"checkpoint of step {record.step} committed after step "
+            f"{record.committed_after_step} ({record.mode}: written in {record.write_s:.2f} s, "
+            f"training blocked {record.blocked_s:.2f} s): {record.path}"
+        )
+        self.events.write(
+            "checkpoint",
+            step=record.step,
+            mode=record.mode,
+            committed_after_step=record.committed_after_step,
+            blocked_s=round(record.blocked_s, 4),
+            write_s=round(record.write_s, 4),
+            path=record.path,
+        )
 
     @property
     def save_seconds(self) -> float:
         """How long the last save took, from its start until written."""
         return self.saver.last_seconds
 
-    def close(self) -> None:
+    def close(self, *, after_step: int) -> None:
+        """Collective: commit the save in flight and release the saver."""
         if self.saver is not None:
-            self.saver.close()
+            self._committed(self.saver.close(after_step=after_step))
 
-    def rollback(self, *, model: Modules, optimizer: Optimizers) -> dict:
-        """Back to the newest committed checkpoint (agreed on rank 0); its train state."""
-        self.saver.wait()
+    def rollback(self, *, at_step: int, model: Modules, optimizer: Optimizers) -> dict:
+        """Back from `at_step` to the newest committed checkpoint (agreed on rank 0); its train
+        state."""
+        self._committed(self.saver.wait(after_step=at_step))
         newest = decide_on_main(lambda: latest_complete(self.dir), what="find a checkpoint")
         if newest is None:
             raise KilnError(
@@ -195,6 +259,7 @@ class CheckpointManager:
             )
         state = load_checkpoint(newest, model=model, optimizer=optimizer)
         self.last_saved_step = state["step"]
+        self.events.write("rollback", from_step=at_step, step=state["step"], path=newest)
         return state | {"path": newest}
 
     def newest(self) -> Path | None:

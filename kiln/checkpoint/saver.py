@@ -23,7 +23,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,11 +44,20 @@ from kiln.checkpoint.state import (
 from kiln.config import JobConfig, to_toml
 from kiln.errors import KilnError, first_line
 from kiln.parallel.agree import raise_any_failure
-from kiln.parallel.mutations import mutation_on
 
-# Test-only: rank 0 commits late and the other ranks' background writes finish first (the race
-# that once made ranks disagree on the last saved step).
-DELAY_COMMIT_FOR_TESTS = "KILN_TEST_DELAY_COMMIT"
+SaveMode = Literal["sync", "async"]
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What one committed checkpoint cost and when it became the one to resume from."""
+
+    step: int
+    mode: SaveMode
+    committed_after_step: int  # the last training step that had finished at the commit
+    blocked_s: float  # how long the training loop waited for it: staging, waiting, committing
+    write_s: float  # from the start of the save until every rank's part was written
+    path: Path
 
 
 @dataclass
@@ -56,6 +65,7 @@ class _InFlight:
     step: int
     future: Future
     started: float
+    staged_s: float
     finished: float | None = None
 
 
@@ -99,9 +109,10 @@ class CheckpointSaver:
         config: JobConfig,
         train_state: dict[str, Any],
         tokenizer_path: Path | None = None,
-    ) -> Path:
-        """Write step `step`; with async, return once the state is staged (see `wait`)."""
-        self.wait()  # one save in flight at most
+    ) -> SaveRecord | None:
+        """Write step `step`. Sync: commit it and return its record. Async: return None once the
+        state is staged; `wait` commits it. A save still in flight is finished first."""
+        self.wait(after_step=step)  # one save in flight at most
         started = time.monotonic()
         partial = layout.partial_dir(self.root, step)
         failure = None
@@ -121,11 +132,10 @@ class CheckpointSaver:
                     async_stager=self._stager,
                     no_dist=not distributed(),
                 )
-            in_flight = self.in_flight = _InFlight(step, future, started)
+            staged_s = time.monotonic() - started
+            in_flight = self.in_flight = _InFlight(step, future, started, staged_s)
             future.add_done_callback(lambda _: setattr(in_flight, "finished", time.monotonic()))
-            if rank() != 0 and mutation_on(DELAY_COMMIT_FOR_TESTS):
-                time.sleep(1)  # this rank's part is written before it looks again
-            return layout.step_dir(self.root, step)
+            return None
         try:
             with single_process_quiet():
                 dcp.save(state, checkpoint_id=partial, no_dist=not distributed())
@@ -135,17 +145,21 @@ class CheckpointSaver:
         self.last_seconds = time.monotonic() - started
         failure = self._attempt(step, lambda: self._commit(step)) if rank() == 0 else None
         raise_any_failure(failure)
-        return layout.step_dir(self.root, step)
+        blocked = time.monotonic() - started
+        path = layout.step_dir(self.root, step)
+        return SaveRecord(step, "sync", step, blocked, self.last_seconds, path)
 
     def written_locally(self) -> bool:
         """Whether this rank's part of the save in flight is written (none in flight: True)."""
         return self.in_flight is None or self.in_flight.future.done()
 
-    def wait(self) -> None:
+    def wait(self, *, after_step: int) -> SaveRecord | None:
         """Collective: block until the save in flight is written, commit it on rank 0, and raise
-        any rank's failure on every rank."""
+        any rank's failure on every rank. `after_step`: the last training step that has finished.
+        Returns the committed save's record (none in flight: None)."""
         if self.in_flight is None:
-            return
+            return None
+        began = time.monotonic()
         in_flight, self.in_flight = self.in_flight, None
         failure = None
         try:
@@ -157,11 +171,14 @@ class CheckpointSaver:
         if failure is None and rank() == 0:
             failure = self._attempt(in_flight.step, lambda: self._commit(in_flight.step))
         raise_any_failure(failure)
+        blocked = in_flight.staged_s + time.monotonic() - began
+        path = layout.step_dir(self.root, in_flight.step)
+        return SaveRecord(in_flight.step, "async", after_step, blocked, self.last_seconds, path)
 
-    def close(self) -> None:
-        """Finish the save in flight and release the staging memory."""
+    def close(self, *, after_step: int) -> SaveRecord | None:
+        """Finish the save in flight (its record) and release the staging memory."""
         try:
-            self.wait()
+            return self.wait(after_step=after_step)
         finally:
             if self._stager is not None:
                 self._stager.close()
@@ -188,11 +205,13 @@ class CheckpointSaver:
     def _write_rng(self, partial: Path) -> None:
         rng_dir = partial / "rng"
         rng_dir.mkdir(exist_ok=True)
-        torch.save(rng_state(), rng_dir / f"rank_{rank():05d}.pt")
+        file = rng_dir / f"rank_{rank():05d}.pt"
+        torch.save(rng_state(), file)
+        layout.sync_path(
+            file
+        )  # by its writer: on a shared filesystem another node's fsync may not reach it
 
     def _commit(self, step: int) -> None:
-        if mutation_on(DELAY_COMMIT_FOR_TESTS):
-            time.sleep(3)
         final = layout.commit(self.root, step)
         layout.prune(self.root, self.keep_last_n, keep=final)
 

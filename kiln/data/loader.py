@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from kiln.config import JobConfig
 from kiln.config.sections import DataConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.mixture import choose_datasets, probabilities_at, within_dataset_indices
@@ -110,6 +111,24 @@ class BatchLoader:
         )
         self._state = {"step": 0, "samples_seen": 0, "counts": [0] * len(sources), "streams": {}}
         self._batches: Iterator[dict] | None = None
+
+    @classmethod
+    def for_training(
+        cls, sources: list[Source], cfg: JobConfig, *, data_ranks: int, data_rank: int, pin: bool
+    ) -> BatchLoader:
+        """The loader of a training run: its batch, seed and data settings from `cfg`."""
+        return cls(
+            sources,
+            cfg.data,
+            seed=cfg.train.seed,
+            batch_size=cfg.train.batch_size,
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            data_ranks=data_ranks,
+            data_rank=data_rank,
+            num_workers=cfg.data.num_workers,
+            prefetch_steps=cfg.data.prefetch_steps,
+            pin_memory=pin,
+        )
 
     @property
     def global_batch(self) -> int:

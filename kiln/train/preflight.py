@@ -14,6 +14,7 @@ from kiln.checkpoint.manager import SCRATCH, CheckpointManager
 from kiln.config import JobConfig, resolve_layout
 from kiln.data.sources import dataset_entries, open_data
 from kiln.errors import ConfigError, KilnError
+from kiln.events import EventLog
 
 
 def preflight(cfg: JobConfig, world_size: int) -> list[str]:
@@ -52,7 +53,9 @@ def _data_notes(cfg: JobConfig, world_size: int) -> list[str]:
 
 
 def _checkpoint_notes(cfg: JobConfig, world_size: int) -> list[str]:
-    checkpoints = CheckpointManager(cfg, device=torch.device("cpu"))
+    checkpoints = CheckpointManager(
+        cfg, device=torch.device("cpu"), events=EventLog(Path(cfg.metrics.run_dir), enabled=False)
+    )
     checkpoints.check_sources()
     checkpoints.probe_writable()
     layout = resolve_layout(cfg.distributed, world_size)

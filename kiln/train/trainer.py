@@ -17,6 +17,7 @@ from kiln.config import JobConfig, validate, write_config
 from kiln.data.loader import BatchLoader
 from kiln.data.sources import ensure_local_data, open_data, training_tokenizer
 from kiln.errors import KilnError, first_line
+from kiln.events import EventLog
 from kiln.metrics.backends import open_backends
 from kiln.metrics.layout_report import startup_summary
 from kiln.metrics.logger import warn
@@ -48,7 +49,8 @@ class Trainer:
             cfg.distributed, device, timeout_s=cfg.resilience.collective_timeout_s
         )
         self.device = self.parallel.device
-        self.checkpoints = CheckpointManager(cfg, device=self.device)
+        self.events = EventLog(self.run_dir, enabled=self.parallel.is_main)
+        self.checkpoints = CheckpointManager(cfg, device=self.device, events=self.events)
         self.checkpoints.check_sources()  # before anything is built or written
         self.checkpoints.open_for_writing()
         self.sources, self.eval_data = self._open_data()
@@ -57,8 +59,7 @@ class Trainer:
         start = self.checkpoints.start_point(self.fingerprint())
         check_stop_at_step(cfg, start.step)
         torch.manual_seed(cfg.train.seed)
-        # The whole model, or under pipeline parallel the stages this rank runs. Weights a
-        # checkpoint will overwrite are not drawn.
+        # The whole model (or this rank's pipeline stages); weights a checkpoint loads are not drawn.
         self.model_parts = apply_parallelism(build_model(cfg.model), cfg, self.parallel)
         seed = None if start.loads_weights else cfg.train.seed
         for part in self.model_parts:
@@ -75,17 +76,12 @@ class Trainer:
             sources=self.sources,
         )
         self.tasks = TaskEval(cfg, self.parallel, self.model_parts, sources=self.sources)
-        self.loader = BatchLoader(
+        self.loader = BatchLoader.for_training(
             self.sources,
-            cfg.data,
-            seed=cfg.train.seed,
-            batch_size=cfg.train.batch_size,
-            grad_accum_steps=cfg.train.grad_accum_steps,
+            cfg,
             data_ranks=data_ranks,
             data_rank=self.parallel.data_rank,
-            num_workers=cfg.data.num_workers,
-            prefetch_steps=cfg.data.prefetch_steps,
-            pin_memory=self.device.type == "cuda",
+            pin=self.device.type == "cuda",
         )
         self.step, self.tokens_seen = 0, 0
         if start.train_state is not None:  # before any weight is read
@@ -157,10 +153,10 @@ class Trainer:
             action = self.nan_guard.update(finite=result.finite)
             if action != "ok" and self._non_finite_step(action, result, log):
                 continue  # rolled back: nothing of this step to checkpoint
+            if result.save_written:  # a save in flight at the step's start is written everywhere
+                log.excluding(lambda: self.checkpoints.finish_save(after_step=self.step))
             if self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0:
-                log.excluding(self.save)  # saving is not training time
-            if result.save_written:
-                self.checkpoints.finish_save()
+                log.excluding(self.save)  # saving is not training time; async returns once staged
             profiler.after_step(self.step)  # the step's checkpoint is in its trace
             self.iteration_seconds.append(time.perf_counter() - began)
             if result.stop or result.time_up:
@@ -169,7 +165,7 @@ class Trainer:
             self._end_with_checkpoint("train.stop_at_step", "without it to continue")
         elif self.cfg.checkpoint.save_final and not self.checkpoints.is_saved(self.step):
             self.save()
-        self.checkpoints.close()
+        self._close("train.stop_at_step" if self.step < cfg.max_steps else "train.max_steps")
         return records
 
     def train_step(self, *, stop_requested: bool = False, time_up: bool = False) -> StepResult:
@@ -224,16 +220,16 @@ class Trainer:
     def _non_finite_step(self, action: str, result: StepResult, log: StepLog) -> bool:
         """The update of this step was skipped; after too many in a row (`action` 'stop' or
         'rollback'), stop or roll back (then return True)."""
-        guard = self.nan_guard
+        guard, loss, grad_norm = self.nan_guard, result.loss.item(), result.grad_norm.item()
         if self.parallel.is_main:
-            loss, grad_norm = result.loss.item(), result.grad_norm.item()
             warn(guard.skipped_message(self.step, loss=loss, grad_norm=grad_norm))
+        self.events.write("nan_skip", step=self.step, loss=str(loss), grad_norm=str(grad_norm))
         if action == "stop":
-            self.checkpoints.close()
+            self._close("resilience.nan_action")
             raise KilnError(guard.stop_message(self.step, newest=self.checkpoints.newest()))
         if action == "rollback":
-            bad_step = self.step
-            state = self.checkpoints.rollback(model=self.model_parts, optimizer=self.optimizers)
+            bad_step, parts = self.step, {"model": self.model_parts, "optimizer": self.optimizers}
+            state = self.checkpoints.rollback(at_step=bad_step, **parts)
             optimizer_train_point(self.optimizers)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             guard.reset()
@@ -245,16 +241,20 @@ class Trainer:
     def _stop_early(self, result: StepResult, preemption: PreemptionFlag, records: list) -> list:
         if not result.stop:
             self._end_with_checkpoint("train.time_limit_minutes", "again to continue")
-            self.checkpoints.close()
+            self._close("train.time_limit_minutes")
             return records
         if not self.checkpoints.is_saved(self.step):
             self.save()
-        self.checkpoints.close()
+        signal_name = preemption.received or "a signal on another rank"
+        self._close(f"signal: {signal_name}")
         raise Preempted(
-            signal_name=preemption.received or "a signal on another rank",
-            step=self.step,
-            checkpoint=self.checkpoints.newest(),
+            signal_name=signal_name, step=self.step, checkpoint=self.checkpoints.newest()
         )
+
+    def _close(self, reason: str) -> None:
+        """Commit the save in flight, then record why and where the run stops."""
+        self.checkpoints.close(after_step=self.step)
+        self.events.write("stop", step=self.step, reason=reason)
 
     def _end_with_checkpoint(self, reason: str, how: str) -> None:
         if not self.checkpoints.is_saved(self.step):

@@ -38,8 +38,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(nproc: int, args: list[str], logs: Path) -> list[subprocess.Popen]:
-    """`nproc` ranks of one job without a launcher, each logging to logs/rank_R.txt."""
+def start_ranks(
+    nproc: int, args: list[str], logs: Path, *, module: str = "kiln"
+) -> list[subprocess.Popen]:
+    """`nproc` ranks of one job without a launcher (`python -m MODULE train ARGS`), each logging
+    to logs/rank_R.txt."""
     logs.mkdir(parents=True, exist_ok=True)
     common = {
         **env(),
@@ -49,7 +52,7 @@ def start_ranks(nproc: int, args: list[str], logs: Path) -> list[subprocess.Pope
     }
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "kiln", "train", *args],
+            [sys.executable, "-m", module, "train", *args],
             env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=(logs / f"rank_{r}.txt").open("w"),
             stderr=subprocess.STDOUT,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import delayed_commit_kiln
 from tests.distributed.launch import (
     env,
     kiln_args,
@@ -131,7 +132,7 @@ def test_ctrl_c_saves_and_says_where_the_run_resumes(tmp_path, demo_data):
 
 def test_async_final_save_finishing_first_on_one_rank_does_not_hang(tmp_path, demo_data):
     """Rank 1 finishes writing its part of the last checkpoint (step 4) while rank 0 is still
-    committing it: the test switch delays rank 0's commit by 3 s and holds rank 1 until its write
+    committing it: a test patch delays rank 0's commit by 3 s and holds rank 1 until its write
     is done. Every rank must agree that the final step is saved. Before the run state was kept by
     the CheckpointManager, rank 1 read the old `latest` from disk, saved again alone, and failed in
     a collective once rank 0 had exited (exit 2, or a hang until the collective timeout)."""
@@ -145,13 +146,10 @@ def test_async_final_save_finishing_first_on_one_rank_does_not_hang(tmp_path, de
         "--resilience.collective_timeout_s=60",
         "--train.batch_size=2",
     ]
-    os.environ["KILN_TEST_DELAY_COMMIT"] = "1"
-    try:
-        procs = start_ranks(2, kiln_args(run, demo_data, *overrides), tmp_path / "logs")
-    finally:
-        del os.environ["KILN_TEST_DELAY_COMMIT"]
+    args = kiln_args(run, demo_data, *overrides)
+    procs = start_ranks(2, args, tmp_path / "logs", module="tests.distributed.delayed_commit_kiln")
     assert wait_all(procs, 120) == [0, 0], log(tmp_path / "logs", 1)
-    assert "test switch KILN_TEST_DELAY_COMMIT is set" in log(tmp_path / "logs", 0)
+    assert delayed_commit_kiln.NOTICE in log(tmp_path / "logs", 0)
     assert _latest(run) == "step_00000004"
     marker = json.loads((run / "checkpoints" / "step_00000004" / "COMPLETE").read_text())
     assert marker["step"] == 4

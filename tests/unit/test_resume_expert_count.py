@@ -5,6 +5,7 @@ anything is built or loaded, even under checkpoint.resume = 'force': the stacked
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from kiln.checkpoint.fingerprint import run_fingerprint
 from kiln.checkpoint.manager import RESUME_FROM, CheckpointManager
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
+from kiln.events import EventLog
 from tests.unit.test_trainer import make_trainer
 
 
@@ -35,7 +37,9 @@ def _fake_checkpoint(tmp_path, fingerprint: dict) -> None:
 
 
 def _start(cfg: JobConfig):
-    manager = CheckpointManager(cfg, device=torch.device("cpu"))
+    manager = CheckpointManager(
+        cfg, device=torch.device("cpu"), events=EventLog(Path(cfg.metrics.run_dir), enabled=False)
+    )
     return manager.start_point(run_fingerprint(cfg, global_batch=8))
 
 
