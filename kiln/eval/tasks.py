@@ -6,11 +6,16 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import numbers
+import os
 import random
+import socket
+import sys
+import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError, first_line
 
 # The harness's default seed for few-shot examples, numpy and torch (lm_eval.defaults.
 # DEFAULT_OTHER_SEED): the same prompts as `lm-eval run` builds.
@@ -29,7 +34,17 @@ def task_manager(names: list[str], *, include_path: str = "") -> Any:
     """A harness TaskManager that knows every task of `names` (registered names of tasks,
     groups or tags, or task YAML files), with the tasks of `include_path` (a folder of task
     YAMLs) added. Indexing the harness's own thousands of tasks takes seconds, so a folder that
-    holds every task asked for is indexed alone. An unknown name is one ConfigError."""
+    holds every task asked for is indexed alone. An unknown name is one ConfigError, and so,
+    offline (see `use_cache_when_offline`), is a task whose datasets the cache lacks."""
+    offline = use_cache_when_offline()  # before the harness imports the datasets library
+    manager = _manager(names, include_path)
+    if offline:
+        # Offline, a dataset missing from the cache is found now, before a model is loaded.
+        load_tasks(manager, names)
+    return manager
+
+
+def _manager(names: list[str], include_path: str) -> Any:
     from lm_eval.tasks import TaskManager
 
     if include_path:
@@ -48,6 +63,80 @@ def task_manager(names: list[str], *, include_path: str = "") -> Any:
             "(kiln eval --include-path, eval.tasks_path)"
         )
     return manager
+
+
+# Seconds to wait for the Hub to answer before reading the cache alone.
+HUB_PROBE_S = 3.0
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def use_cache_when_offline() -> bool:
+    """Whether the tasks' datasets come from the local cache alone: set so by the user, or
+    because the Hub does not answer now. Without a Hub the datasets library retries every file
+    for tens of seconds before it fails, so an unreachable Hub switches this process offline."""
+    if any(
+        os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in OFFLINE_VARIABLES
+    ):
+        return True
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if hub_reachable(endpoint):
+        return False
+    print(
+        f"kiln: the Hugging Face Hub ({endpoint}) cannot be reached: the tasks' datasets are "
+        "read from the local cache only",
+        file=sys.stderr,
+    )
+    go_offline()
+    return True
+
+
+def hub_reachable(endpoint: str, timeout: float = HUB_PROBE_S) -> bool:
+    """Whether a TCP connection to the endpoint opens within `timeout` seconds. In a thread:
+    a name lookup without network can hang longer than any socket timeout."""
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    reached = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((url.hostname or "", port), timeout=timeout).close()
+            reached.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout)
+    return bool(reached)
+
+
+def go_offline() -> None:
+    """Offline mode for this process: the variables for what imports the libraries later, and
+    the flags they read them into at import for what already has."""
+    for name in OFFLINE_VARIABLES:
+        os.environ[name] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        config = sys.modules["datasets"].config
+        config.HF_HUB_OFFLINE = config.HF_DATASETS_OFFLINE = True
+
+
+def load_tasks(manager: Any, names: list[str]) -> dict[str, Any]:
+    """Fresh task objects for `names`, their datasets loaded; a dataset the Hub cannot give
+    (offline, not in the cache) is one KilnError that says how to get it."""
+    try:
+        return manager.load(names)
+    except ConnectionError as error:
+        cache = os.environ.get("HF_HOME", "~/.cache/huggingface")
+        download = f"from lm_eval.tasks import TaskManager; TaskManager().load({names!r})"
+        raise KilnError(
+            f"lm-evaluation-harness cannot load the datasets of {', '.join(names)}: "
+            f"{first_line(error)}. Without network they must be in the local Hugging Face "
+            f"cache ({cache}): on a machine with network download them with "
+            f'`python -c "{download}"`, copy that cache here (or point HF_HOME at it), and '
+            "set HF_DATASETS_OFFLINE=1"
+        ) from None
 
 
 def _unknown(names: list[str], manager: Any) -> list[str]:
@@ -81,7 +170,7 @@ def run_tasks(
     random.seed(0)
     np.random.seed(FEWSHOT_SEED)
     torch.manual_seed(FEWSHOT_SEED)
-    loaded = manager.load(names)  # fresh task objects: a task keeps the requests it built
+    loaded = load_tasks(manager, names)  # fresh task objects: a task keeps the requests it built
     for task in loaded["tasks"].values():
         default = task.get_config("num_fewshot")
         # A task whose config fixes 0 shots keeps it, as in the harness.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from kiln.cli import main
 from kiln.config import load_config
 from kiln.data.tokenizer import load_tokenizer
 from kiln.errors import ConfigError
+from kiln.eval.tasks import OFFLINE_VARIABLES
 from kiln.metrics.logger import read_metrics
 from kiln.model import build_model, materialize
 from tests.conftest import DEBUG_CONFIG
@@ -149,6 +151,44 @@ def test_an_unknown_task_is_one_error(tiny, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'tiny_choise' (did you mean 'tiny_choice'?)" in err
     assert "lm-eval ls tasks" in err
+
+
+# A task whose dataset lives on the Hub and in no cache.
+HUB_TASK = """task: hub_only
+dataset_path: kiln-test/absent-from-every-cache
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{question}}"
+doc_to_target: 0
+doc_to_choice: ["a", "b"]
+"""
+
+
+def test_an_unreachable_hub_fails_at_once_and_says_how_to_fix_it(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    """Without network the datasets library retries every file for tens of seconds and then
+    fails without a fix. A Hub that does not answer (here a closed loopback port, never the
+    internet) switches kiln to the local cache, and a dataset the cache lacks is one error,
+    before any model is loaded, that says how to get it."""
+    import datasets
+    import huggingface_hub
+
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    (tmp_path / "hub_only.yaml").write_text(HUB_TASK)
+    args = ["eval", str(tiny["ckpt"]), "--tasks", "hub_only", "--include-path", str(tmp_path)]
+    started = time.monotonic()
+    assert main(args) == 2
+    assert time.monotonic() - started < 20
+    err = capsys.readouterr().err
+    assert "Hub (http://127.0.0.1:9) cannot be reached" in err
+    assert "cannot load the datasets of hub_only" in err
+    assert "TaskManager().load(['hub_only'])" in err and "HF_DATASETS_OFFLINE=1" in err
 
 
 def test_data_of_another_vocabulary_is_one_error(tiny, tmp_path, capsys):
