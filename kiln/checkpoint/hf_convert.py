@@ -151,6 +151,7 @@ def kiln_to_hf(
             # stacked parameter do.
             converted = {name: weights[name].to(_DTYPES[dtype], copy=True) for name in shard_names}
             save_file(converted, partial / file, metadata={"format": "pt"})
+            follow_umask(partial / file)
             del converted
         if len(shards) > 1:
             index = {
@@ -212,6 +213,14 @@ def parse_size(size: int | str) -> int:
     if value <= 0:
         raise KilnError(f"max shard size must be positive, got {size!r}")
     return value
+
+
+def follow_umask(path: Path) -> None:
+    """Give `path` the mode a plain open() would: safetensors writes through a private temporary
+    file (0600), so the weights would be readable by their owner alone beside 0644 configs."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _plan_shards(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -211,6 +212,19 @@ def test_sharded_export_loads_in_transformers(tmp_path, capsys):
     tokens = _tokens()
     with torch.no_grad():
         assert _max_diff(hf_model.eval()(tokens).logits, model(tokens)) <= TOLERANCE
+
+
+def test_exported_files_follow_the_umask(tmp_path):
+    """Every exported file gets the mode a plain write gives it: the weights are no more
+    private than config.json beside them."""
+    _, ckpt = _save_kiln(tmp_path)
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", "kiln-to-hf", str(ckpt), str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
 
 
 def test_export_dtype_comes_from_the_checkpoint(tmp_path):
