@@ -10,6 +10,7 @@ eval/loss a training run logs on the same data."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from kiln.data.dataset import TokenDataset
 from kiln.data.loader import ShuffledSamples, Source
 from kiln.errors import ConfigError, KilnError
 from kiln.model import build_model, materialize
+from kiln.parallel.agree import decide_on_main
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.device import pick_device
 from kiln.parallel.mesh import ParallelContext, init_parallel
@@ -50,26 +52,33 @@ class EvalRequest:
 def evaluate_checkpoint(request: EvalRequest) -> dict[str, Any]:
     """Every rank returns the same results: `eval/loss` and `eval/perplexity` (with data), the
     tasks' `scores` and the `harness`'s report (with tasks), and what was evaluated."""
-    step_dir = resolve_checkpoint(request.checkpoint)
-    cfg, raw = eval_config(step_dir, request, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Where and in which layout comes from the command line alone; which checkpoint is rank 0's
+    # choice: a run still training writes newer steps and its retention deletes older ones, and
+    # ranks choosing on their own could load different steps into one sharded model.
+    command_line = config_from_dict({}, request.overrides)
+    parallel = init_parallel(
+        command_line.distributed,
+        pick_device(command_line.train.device),
+        timeout_s=command_line.resilience.collective_timeout_s,
+    )
+    step_dir, step = decide_on_main(
+        lambda: _choose_checkpoint(request.checkpoint), what="choose the checkpoint to evaluate"
+    )
+    cfg, raw = eval_config(step_dir, request, world_size=world_size)
     tokenizer = find_tokenizer(step_dir)
     manager = _task_manager(request, cfg, tokenizer) if request.tasks else None
     with tempfile.TemporaryDirectory(prefix="kiln-eval-") as scratch:
         dataset = None
         if request.data or not request.tasks:
             dataset = _open_data(request, cfg, raw, tokenizer=tokenizer, scratch=Path(scratch))
-        parallel = init_parallel(
-            cfg.distributed,
-            pick_device(cfg.train.device),
-            timeout_s=cfg.resilience.collective_timeout_s,
-        )
         model_parts = apply_parallelism(build_model(cfg.model), cfg, parallel)
         for part in model_parts:
             materialize(part, device=parallel.device, seed=None)
-        load_checkpoint(step_dir, model=model_parts)
+        _load(step_dir, model_parts)
         results: dict[str, Any] = {
             "checkpoint": str(step_dir),
-            "step": read_train_state(step_dir).get("step", 0),
+            "step": step,
             "processes": parallel.world_size,
             "layout": {dim: n for dim, n in parallel.degrees.items() if n > 1},
         }
@@ -79,6 +88,29 @@ def evaluate_checkpoint(request: EvalRequest) -> dict[str, Any]:
         if manager is not None:
             results |= _harness(request, cfg, parallel, model_parts, manager, tokenizer)
     return results
+
+
+def _choose_checkpoint(path: str) -> tuple[Path, int]:
+    """The step folder `path` names (a run's newest intact one) and its step, said on stderr."""
+    step_dir = resolve_checkpoint(path)
+    step = read_train_state(step_dir).get("step", 0)
+    print(f"kiln eval: evaluating {step_dir} (step {step})", file=sys.stderr, flush=True)
+    return step_dir, step
+
+
+def _load(step_dir: Path, model_parts: list) -> None:
+    """Load the weights; a folder deleted while loading (the writing run's retention) is named
+    as such, decided on rank 0."""
+    try:
+        load_checkpoint(step_dir, model=model_parts)
+    except KilnError:
+        if decide_on_main(step_dir.is_dir, what="look for the checkpoint"):
+            raise
+        raise KilnError(
+            f"{step_dir} was deleted while it was being loaded: the run writing it keeps only "
+            "its newest checkpoint.keep_last_n steps. Evaluate again (the newest step is chosen "
+            "anew), or copy the step folder elsewhere first and evaluate the copy"
+        ) from None
 
 
 def eval_config(
@@ -96,6 +128,7 @@ def eval_config(
     kept.setdefault("model", {}).pop("preset", None)  # resolved into explicit keys on save
     train = kept.setdefault("train", {})
     train.update(grad_accum_steps=1, compile=False, activation_checkpointing="none")
+    train.pop("device", None)  # where to evaluate is the command line's (init_parallel used it)
     if request.batch_size:
         train["batch_size"] = request.batch_size
     # A converted checkpoint carries the default seq_len, which may exceed its context.

@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
+import kiln.checkpoint.checkpointer
+from kiln.checkpoint import save_checkpoint
 from kiln.cli import main
+from kiln.config import config_from_dict, read_toml
+from kiln.model import build_model, materialize
 from tests.eval_tasks import TASKS, TEXTS, write_checkpoint, write_tasks
 
 pytest.importorskip("lm_eval")
@@ -50,3 +57,70 @@ def test_two_ranks_evaluate_like_one_process(gangs, tmp_path, monkeypatch):
     assert tp["scores"].keys() == one["scores"].keys()
     for name, value in one["scores"].items():
         assert math.isclose(tp["scores"][name], value, rel_tol=TOLERANCE), name
+
+
+def _second_step(ckpt: Path) -> Path:
+    """Step 2 beside step 1 of `ckpt`: the same model with other weights."""
+    first = ckpt / "step_00000001"
+    cfg = config_from_dict(read_toml(first / "config.toml"))
+    model = materialize(build_model(cfg.model), device="cpu", seed=1)
+    save_checkpoint(
+        ckpt,
+        2,
+        model=model,
+        optimizer=None,
+        config=cfg,
+        train_state={"step": 2},
+        tokenizer_path=first / "tokenizer.json",
+    )
+    return ckpt / "step_00000002"
+
+
+def eval_where_rank_1_lags(args: list[str], older: str) -> None:
+    """`kiln eval ARGS` where rank 1's own look at the checkpoint folder would find `older`: a
+    run still training has committed a newer step that rank 1's filesystem view does not show."""
+    import kiln.train.eval_checkpoint as module
+
+    real = module.resolve_checkpoint
+    if os.environ["RANK"] == "1":
+        module.resolve_checkpoint = lambda path: Path(older)
+    try:
+        kiln_eval(args)
+    finally:
+        module.resolve_checkpoint = real
+
+
+def test_the_checkpoint_is_chosen_once_for_every_rank(gangs, tmp_path):
+    """Every rank loads the step rank 0 chose, whatever its own look at the folder would find:
+    the held-out loss under FSDP is one process's on that step (fp32, another reduction order)."""
+    ckpt = write_checkpoint(tmp_path)
+    newest = _second_step(ckpt)
+    text = tmp_path / "held_out.txt"
+    text.write_text(" ".join(TEXTS * 6))
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert (
+        main(["eval", str(ckpt), "--data", str(text), "--batch-size", "4", "--json", str(one)]) == 0
+    )
+    args = [str(ckpt), "--data", str(text), "--batch-size", "2", "--json", str(two)]
+    outputs = gangs.run(2, eval_where_rank_1_lags, args, str(ckpt / "step_00000001"))
+    one, two = json.loads(one.read_text()), json.loads(two.read_text())
+    assert one["step"] == two["step"] == 2 and two["checkpoint"] == str(newest)
+    assert math.isclose(two["eval/loss"], one["eval/loss"], rel_tol=TOLERANCE)
+    assert f"evaluating {newest} (step 2)" in outputs[0]
+
+
+def test_a_checkpoint_deleted_while_loading_is_one_clear_message(tmp_path, monkeypatch, capsys):
+    ckpt = write_checkpoint(tmp_path)
+    text = tmp_path / "held_out.txt"
+    text.write_text(" ".join(TEXTS * 6))
+    real_load = kiln.checkpoint.checkpointer.dcp.load
+
+    def load_after_retention(state, *, checkpoint_id, **kwargs):
+        shutil.rmtree(checkpoint_id)  # the writing run's keep_last_n removes it meanwhile
+        return real_load(state, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(kiln.checkpoint.checkpointer.dcp, "load", load_after_retention)
+    assert main(["eval", str(ckpt), "--data", str(text), "--batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "was deleted while it was being loaded" in err and "Traceback" not in err
+    assert err.count("error:") == 1
