@@ -66,6 +66,19 @@ def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(debug_overrides, sav
         _trainer(debug_overrides)
 
 
+def test_another_global_batch_is_refused_with_the_settings_that_keep_it(
+    debug_overrides, saved_at_2_and_4
+):
+    """Resuming on more data ranks (here: more accumulation) changes the global batch: the
+    refusal names the batch size or accumulation that keeps the run's."""
+    with pytest.raises(ConfigError) as refused:
+        _trainer(debug_overrides, "--train.grad_accum_steps=2")
+    message = str(refused.value)
+    assert "train.global_batch: 4 -> 8" in message
+    assert "4 sequences in the checkpoint, 4 × 2 × 1 = 8 here" in message
+    assert "--train.batch_size=2 or --train.grad_accum_steps=1" in message
+
+
 def test_a_different_config_is_refused_unless_forced(debug_overrides, saved_at_2_and_4, capsys):
     with pytest.raises(ConfigError, match=r"optimizer.lr: 0.003 -> 0.001.*resume=force"):
         _trainer(debug_overrides, "--optimizer.lr=1e-3")
