@@ -38,6 +38,12 @@ def add_parsers(subcommand) -> None:
         "checkpoints (to size a layout before its data exists)",
     )
     check.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail (exit 2) on what `kiln train` would refuse at start-up (missing data, a run "
+        "directory of other settings), not only warn",
+    )
+    check.add_argument(
         "--json",
         action="store_true",
         help="print the layout and the planner's estimates (memory_gb, tokens_per_sec, mfu) as "
@@ -102,12 +108,12 @@ def cmd_check(args) -> int:
     # As in `kiln train`: a config mistake is reported before torch is imported.
     from kiln.metrics.layout_report import layout_report
     from kiln.plan.report import check_estimate, check_lines
-    from kiln.train.preflight import preflight
 
     estimate = check_estimate(cfg, resolve_layout(cfg.distributed, args.world_size), cluster)
+    notes, problems = _start_up(cfg, args)
     if args.json:
-        notes = [] if args.config_only else preflight(cfg, args.world_size)
-        print(json.dumps({"config_ok": True, **estimate, "notes": notes}, indent=2))
+        report = {"config_ok": True, **estimate, "notes": notes, "warnings": problems}
+        print(json.dumps(report, indent=2))
         return 0
     print(to_toml(cfg))
     for line in layout_report(cfg, args.world_size):
@@ -115,11 +121,26 @@ def cmd_check(args) -> int:
     if cluster is not None:
         for line in check_lines(estimate, cluster):
             print(f"# {line}")
-    if not args.config_only:
-        for note in preflight(cfg, args.world_size):
-            print(f"# {note}")
-    print("# config OK")
+    for note in notes:
+        print(f"# {note}")
+    for problem in problems:
+        print(f"kiln check: warning: {problem}", file=sys.stderr)
+    refused = f" ({len(problems)} start-up warning{'s' if len(problems) > 1 else ''}"
+    print(f"# config OK{refused + ': kiln train would refuse to start)' if problems else ''}")
     return 0
+
+
+def _start_up(cfg, args) -> tuple[list[str], list[str]]:
+    """`kiln train`'s start-up checks as (notes, warnings). The recipe and layout are what
+    `kiln check` judges: data not prepared yet, or a run directory left by another run, is a
+    warning, unless --strict makes it the error `kiln train` would give."""
+    from kiln.train.preflight import preflight, start_up_checks
+
+    if args.config_only:
+        return [], []
+    if args.strict:
+        return preflight(cfg, args.world_size), []
+    return start_up_checks(cfg, args.world_size)
 
 
 def cmd_verify(args) -> int:

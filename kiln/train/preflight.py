@@ -12,6 +12,7 @@ import torch
 from kiln.checkpoint.fingerprint import run_fingerprint
 from kiln.checkpoint.manager import SCRATCH, CheckpointManager
 from kiln.config import JobConfig, resolve_layout
+from kiln.config.sections import DatasetSource
 from kiln.data.sources import dataset_entries, open_data
 from kiln.errors import ConfigError, KilnError
 from kiln.events import EventLog
@@ -19,16 +20,22 @@ from kiln.events import EventLog
 
 def preflight(cfg: JobConfig, world_size: int) -> list[str]:
     """Notes on what training will do at start-up; raises ConfigError listing every problem."""
+    notes, problems = start_up_checks(cfg, world_size)
+    if problems:
+        problems.append("(kiln check --config-only checks the recipe and layout alone)")
+        raise ConfigError.listing(problems, "at start-up")
+    return notes
+
+
+def start_up_checks(cfg: JobConfig, world_size: int) -> tuple[list[str], list[str]]:
+    """Notes on what training will do at start-up, and every problem that would stop it."""
     problems, notes = [], []
     for check in (_data_notes, _checkpoint_notes):
         try:
             notes += check(cfg, world_size)
         except KilnError as error:
             problems.append(str(error))
-    if problems:
-        problems.append("(kiln check --config-only checks the recipe and layout alone)")
-        raise ConfigError.listing(problems, "at start-up")
-    return notes
+    return notes, problems
 
 
 def _data_notes(cfg: JobConfig, world_size: int) -> list[str]:
@@ -40,16 +47,25 @@ def _data_notes(cfg: JobConfig, world_size: int) -> list[str]:
     ]
     if built_at_start:
         return [
-            f"data {entry.name}: {entry.source} data is prepared on the first start "
-            f"({entry.path or 'Hugging Face cache'}); checked then"
+            f"{_data_label(cfg, entry)}: {entry.source} data, built on the first start; "
+            "checked then"
             for entry in built_at_start
         ]
     cache = Path(cfg.metrics.run_dir) / "data_cache"
-    sources, eval_data = open_data(cfg, cache_dir=cache)
-    notes = [f"data {source.name}: opened, vocabulary fits model.vocab_size" for source in sources]
+    _, eval_data = open_data(cfg, cache_dir=cache)
+    notes = [
+        f"{_data_label(cfg, entry)}: opened, its vocabulary fits model.vocab_size"
+        for entry in dataset_entries(cfg.data)
+    ]
     if eval_data is not None:
         notes.append(f"eval data: {eval_data.path}")
     return notes
+
+
+def _data_label(cfg: JobConfig, entry: DatasetSource) -> str:
+    """'data (data/demo)' for a plain [data] section, 'dataset web (data/web)' in a mixture."""
+    where = entry.path or f"{entry.source} dataset"
+    return f"dataset {entry.name} ({where})" if cfg.data.datasets else f"data ({where})"
 
 
 def _checkpoint_notes(cfg: JobConfig, world_size: int) -> list[str]:

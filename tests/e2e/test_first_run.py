@@ -42,16 +42,37 @@ def _check(capsys, *overrides: str) -> tuple[int, str, str]:
 
 
 def test_check_reports_what_train_would_refuse_at_start_up(tmp_path, demo_data, capsys):
+    """--strict: an error, as `kiln train` gives it at start-up."""
     nowhere = tmp_path / "nowhere"
-    code, out, err = _check(capsys, "--data.source=prepared", f"--data.path={nowhere}")
+    missing = ["--data.source=prepared", f"--data.path={nowhere}"]
+    code, out, err = _check(capsys, "--strict", *missing)
     assert code == 2 and f"dataset directory not found: {nowhere}" in err
     assert "config OK" not in out
     run = [f"--data.path={demo_data}", f"--metrics.run_dir={tmp_path / 'run'}"]
-    code, _, err = _check(capsys, *run, "--model.vocab_size=1000")
+    code, _, err = _check(capsys, "--strict", *run, "--model.vocab_size=1000")
     assert code == 2 and "model.vocab_size (1000) is smaller than the vocabulary" in err
-    code, _, err = _check(capsys, *run, f"--checkpoint.load_path={tmp_path / 'none'}")
+    code, _, err = _check(capsys, "--strict", *run, f"--checkpoint.load_path={tmp_path / 'none'}")
     assert code == 2 and "checkpoint not found" in err
     code, out, err = _check(capsys, *run)
     assert code == 0, err
     assert "# checkpoints: a new run in" in out and "# config OK" in out
     assert not (tmp_path / "run").exists()  # checking writes nothing
+
+
+def test_check_warns_of_start_up_problems_without_failing(tmp_path, capsys):
+    """`kiln check` judges the recipe and the layout: a dataset not prepared yet is a warning
+    that says how to prepare it, and the check passes, as the README's commands expect."""
+    nowhere = tmp_path / "nowhere"
+    code, out, err = _check(capsys, "--data.source=prepared", f"--data.path={nowhere}")
+    assert code == 0, err
+    assert f"kiln check: warning: dataset directory not found: {nowhere}" in err
+    assert f"kiln prepare --input ... --tokenizer tokenizer.json --output {nowhere}" in err
+    assert "# config OK (1 start-up warning: kiln train would refuse to start)" in out
+
+
+def test_check_names_the_data_it_opened(tmp_path, demo_data, capsys):
+    run = [f"--data.path={demo_data}", f"--metrics.run_dir={tmp_path / 'run'}"]
+    code, out, err = _check(capsys, *run)
+    assert code == 0, err
+    assert f"# data ({demo_data}): opened, its vocabulary fits model.vocab_size" in out
+    assert "data data" not in out
