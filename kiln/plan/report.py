@@ -88,6 +88,33 @@ def why(result: PlanResult) -> str:
     return "; ".join(parts)
 
 
+# The plan table's columns: header and alignment ("<" text, ">" numbers).
+PLAN_COLUMNS = [
+    ("#", ">"),
+    ("layout", "<"),
+    ("AC", "<"),
+    ("batch", "<"),
+    ("global tok", ">"),
+    ("GB/GPU", ">"),
+    ("tok/s", ">"),
+    ("tok/s/GPU", ">"),
+    ("MFU", ">"),
+]
+
+
+def table(columns: list[tuple[str, str]], rows: list[list[str]]) -> list[str]:
+    """Header and rows, each column as wide as its widest cell: a long cell (a pipeline
+    schedule's batch) widens its column instead of pushing the rest of its row out of line."""
+    header = [name for name, _ in columns]
+    cells = [header, *rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    aligns = [align for _, align in columns]
+    return [
+        "  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, aligns, widths, strict=True)).rstrip()
+        for row in cells
+    ]
+
+
 def text_report(result: PlanResult, base: JobConfig, *, top: int) -> str:
     c = result.cluster
     model = base.model.preset or "the model"
@@ -97,16 +124,22 @@ def text_report(result: PlanResult, base: JobConfig, *, top: int) -> str:
         f"{result.layouts:,} layouts the validator accepts, {result.considered:,} candidates "
         f"(AC modes × micro-batches), {len(result.ranked):,} fit",
         "",
-        f"{'#':>2}  {'layout':<40} {'AC':<9} {'batch':<22} {'global tok':>11} "
-        f"{'GB/GPU':>7} {'tok/s':>12} {'tok/s/GPU':>9} {'MFU':>6}",
     ]
-    for i, cand in enumerate(distinct(result.ranked, top), 1):
-        s = cand.step
-        lines.append(
-            f"{i:>2}  {cand.key:<40} {cand.cfg.train.activation_checkpointing:<9} "
-            f"{batch_label(cand):<22} {s.tokens:>11,.0f} {cand.memory.total / GB:>7.1f} "
-            f"{s.tokens_per_sec:>12,.0f} {s.tokens_per_sec / s.gpus:>9,.0f} {s.mfu:>6.1%}"
-        )
+    rows = [
+        [
+            str(i),
+            cand.key,
+            cand.cfg.train.activation_checkpointing,
+            batch_label(cand),
+            f"{cand.step.tokens:,.0f}",
+            f"{cand.memory.total / GB:.1f}",
+            f"{cand.step.tokens_per_sec:,.0f}",
+            f"{cand.step.tokens_per_sec / cand.step.gpus:,.0f}",
+            f"{cand.step.mfu:.1%}",
+        ]
+        for i, cand in enumerate(distinct(result.ranked, top), 1)
+    ]
+    lines += table(PLAN_COLUMNS, rows)
     lines += ["", f"why #1: {why(result)}"]
     return "\n".join(lines)
 

@@ -67,6 +67,21 @@ def test_plan_table_names_the_winner_and_its_reason(capsys):
     assert len([line for line in out.splitlines() if re.match(r"^ ?\d+  ", line)]) == 3
 
 
+def test_plan_table_columns_stay_aligned_with_long_batch_cells(capsys):
+    """A pipeline's batch cell ("32 × 1 seq, interleaved_1f1b") is wider than the others: its
+    column widens, and every row keeps its columns under their headers."""
+    args = ["plan", "--model", "llama3_70b", "--gpus", "32", "--gpu", "h200"]
+    assert main([*args, "--gpus-per-node", "4", "--global-batch-tokens", "1048576"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  layout"))
+    rows = lines[header : lines.index("", header)]
+    assert len(rows) > 1 and any("interleaved_1f1b" in row for row in rows)
+    # The last column is right-aligned: equal lengths mean every column lines up.
+    assert len({len(row) for row in rows}) == 1, "\n".join(rows)
+    start = rows[0].index("global tok")
+    assert all(row[start - 2 : start] == "  " for row in rows)
+
+
 def test_a_model_that_fits_nowhere_names_the_smallest_gpu_count(capsys):
     args = ["plan", "--model", "llama3_70b", "--gpus", "4", "--gpu", "h100", "--gpus-per-node", "4"]
     assert main(args) == 2
