@@ -120,6 +120,21 @@ def test_forward_backward_trains_every_parameter():
     }
 
 
+@pytest.mark.parametrize("shared", [0, 2])
+@pytest.mark.parametrize("aux", [0.0, 0.01])
+def test_the_moe_block_returns_a_tensor_of_its_own(shared, aux):
+    """FSDP2 warns that a unit which returns a view "can produce wrong gradients": under expert
+    parallel the MoE block is such a unit, so its output must be no view (of its flat result,
+    or of the identity that attaches the balancing loss)."""
+    cfg = ModelConfig(**{**MOE.__dict__, "moe_shared_experts": shared, "moe_aux_loss_weight": aux})
+    block = materialize(build_model(cfg), device="cpu", seed=0).layers["1"].feed_forward
+    x = torch.randn(2, 12, 32, requires_grad=True)
+    out = block(x)
+    assert out.shape == x.shape and not out._is_view()
+    out.sum().backward()
+    assert block.router.gate.weight.grad is not None
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_same_gradients_same_counts(mode):
     plain = materialize(build_model(MOE), device="cpu", seed=0)

@@ -104,7 +104,9 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
         ctx.aux_dtype = aux_loss.dtype
-        return output
+        # An input returned as it is becomes a view of it, and FSDP warns about a unit that
+        # returns a view; a detached alias shares the storage (no copy) and is no view.
+        return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,14 +68,16 @@ class MoEFeedForward(nn.Module):
         tokens = x.flatten(0, -2)
         route = self.router(tokens)
         rows, per_expert, state = self.dispatcher.dispatch(tokens, route.indices)
-        out = self.dispatcher.combine(self.experts(rows, per_expert), route.weights, state)
+        # Combined straight into x's shape: a view of a flat result returned from an FSDP unit
+        # makes FSDP warn that gradients may be wrong (they are not, but users cannot know).
+        weights = route.weights.view(*x.shape[:-1], -1)
+        out = self.dispatcher.combine(self.experts(rows, per_expert), weights, state)
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
-            out = out + shared
-        out = out.view_as(x)
+            out = out + shared.view_as(x)
         aux_loss = self._aux_loss(route, x.shape)
         if aux_loss is not None and torch.is_grad_enabled():
             out = attach_aux_loss(out, aux_loss)

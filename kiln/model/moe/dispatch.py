@@ -50,14 +50,17 @@ class LocalDispatcher:
     def combine(
         self, expert_out: torch.Tensor, weights: torch.Tensor, state: DispatchState
     ) -> torch.Tensor:
-        """Expert outputs (kept, dim) in dispatch order, weights (tokens, top_k) -> (tokens, dim)
-        in the weights' dtype: sum over each token's slots of weight · output."""
+        """Expert outputs (kept, dim) in dispatch order, weights (..., top_k) over the tokens ->
+        (..., dim) in the weights' dtype: sum over each token's slots of weight · output. The
+        output takes the weights' leading shape, so a block can combine straight into its
+        input's shape instead of returning a view of a flat result."""
         dim = expert_out.shape[-1]
         slots = expert_out.new_zeros(state.num_tokens * self.top_k, dim)
-        slots = slots.index_copy(0, state.order, expert_out).view(state.num_tokens, self.top_k, dim)
-        out = slots[:, 0] * weights[:, :1]
+        slots = slots.index_copy(0, state.order, expert_out)
+        slots = slots.view(*weights.shape[:-1], self.top_k, dim)
+        out = slots[..., 0, :] * weights[..., :1]
         for k in range(1, self.top_k):
-            out = out + slots[:, k] * weights[:, k : k + 1]
+            out = out + slots[..., k, :] * weights[..., k : k + 1]
         return out
 
     def capacity(self, num_tokens: int) -> int:
