@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from kiln.cli.common import docs
 from kiln.errors import KilnError
 
@@ -21,7 +24,13 @@ def add_parsers(subcommand) -> None:
     generate.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens to generate after the prompt"
     )
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 = greedy, the likeliest token each time (a small model "
+        "soon repeats itself: try 0.7)",
+    )
     generate.add_argument(
         "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)"
     )
@@ -79,6 +88,7 @@ def cmd_generate(args) -> int:
     from kiln.parallel.device import pick_device
 
     path = resolve_checkpoint(args.checkpoint)
+    say_which_step(args.checkpoint, path)
     tokenizer_path = find_tokenizer(path)
     if tokenizer_path is None:
         raise KilnError(
@@ -104,6 +114,20 @@ def cmd_generate(args) -> int:
         )
     print(args.prompt + tokenizer.decode(new))
     return 0
+
+
+def say_which_step(given: str, path: Path) -> None:
+    """On stderr, the step a run or checkpoint directory resolved to, and every newer one that
+    was passed over (damaged, interrupted): the text that follows came from that step."""
+    from kiln.checkpoint.layout import resume_candidates
+
+    skipped = []
+    if Path(given).resolve() != path.resolve():
+        _, skipped = resume_candidates(path.parent)
+    for passed_over in skipped:
+        print(f"kiln generate: {passed_over.message()}", file=sys.stderr)
+    step = path.name.removeprefix("step_").lstrip("0") or "0"
+    print(f"kiln generate: step {step} from {path}", file=sys.stderr)
 
 
 def cmd_convert(args) -> int:

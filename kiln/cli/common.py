@@ -11,7 +11,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows an option's default where it says something (not None, not an off switch)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "(default" in (action.help or ""):
+        # `is`, not `in`: 0 == False, and a default of 0 or 0.0 says something.
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

@@ -4,11 +4,15 @@ job is queued."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
+import pytest
+
 from kiln.cli import main
 from tests.conftest import DEBUG_CONFIG
+from tests.eval_tasks import write_checkpoint
 
 
 def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -76,3 +80,29 @@ def test_check_names_the_data_it_opened(tmp_path, demo_data, capsys):
     assert code == 0, err
     assert f"# data ({demo_data}): opened, its vocabulary fits model.vocab_size" in out
     assert "data data" not in out
+
+
+def test_generate_says_which_step_it_loaded_and_which_it_skipped(tmp_path, capsys):
+    """A damaged newest checkpoint is passed over: the user is told, and told which step the
+    text comes from."""
+    root = write_checkpoint(tmp_path)  # root/step_00000001
+    shutil.copytree(root / "step_00000001", root / "step_00000002")
+    (root / "step_00000002" / "COMPLETE").write_text("")  # a hard stop before it reached disk
+    (root / "latest").write_text("step_00000002")
+    args = ["generate", str(root), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert f"kiln generate: skipping {root / 'step_00000002'}" in err
+    assert f"kiln generate: step 1 from {root / 'step_00000001'}" in err
+    assert main([*args[:1], str(root / "step_00000001"), *args[2:]]) == 0
+    assert capsys.readouterr().err == f"kiln generate: step 1 from {root / 'step_00000001'}\n"
+
+
+def test_generate_help_shows_the_sampling_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 0.0)", "(default: 0)", "(default: 1.0)"):
+        assert default in out
+    assert "--seed SEED sampling seed (default: 0)" in out
+    assert "--top-k TOP_K sample among the k likeliest tokens (0 = all) (default: 0)" in out
