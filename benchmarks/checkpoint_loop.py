@@ -1,0 +1,131 @@
+"""Checkpoints through the training loop: what a save costs the steps around it, sync against
+async, and what the commit's fsyncs add.
+
+Each arm is `Trainer.train()` as `kiln train` runs it (one process, the demo corpus), saving every
+`--interval` steps. The time between the ends of consecutive steps is recorded (the benchmark
+wraps `Trainer.train_step`; kiln is not changed), so the interval after a save's step holds what
+the save blocked plus the next step's compute, while an async write runs beside it. The
+`checkpoint` events of `events.jsonl` give each save's blocked and write time and the step after
+which it was committed. The fsync arm times `layout.commit` (rank 0's commit: fsyncs, marker,
+rename, `latest`) with the fsyncs and, in the same run, with them replaced by a no-op.
+
+    OMP_NUM_THREADS=2 python benchmarks/checkpoint_loop.py --preset debug --steps 24 --interval 4
+    OMP_NUM_THREADS=2 python benchmarks/checkpoint_loop.py --preset llama3_125m --steps 12 --interval 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kiln.checkpoint import layout, saver
+from kiln.config import load_config
+from kiln.data.demo_corpus import ensure_demo_corpus
+from kiln.events import read_events
+from kiln.train.trainer import Trainer
+
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "debug.toml"
+
+
+def run_arm(args, data: Path, run_dir: Path, mode: str) -> dict:
+    """Train with saves in `mode`; per-step intervals and the checkpoint events."""
+    overrides = [
+        f"--model.preset={args.preset}",
+        f"--data.path={data}",
+        f"--metrics.run_dir={run_dir}",
+        "--data.num_workers=0",
+        "--metrics.plot=false",
+        f"--train.max_steps={args.steps}",
+        f"--train.seq_len={args.seq_len}",
+        f"--train.batch_size={args.batch_size}",
+        "--scheduler.warmup_steps=1",
+        f"--checkpoint.interval={args.interval}",
+        "--checkpoint.keep_last_n=2",
+        f"--checkpoint.async_mode='{'async' if mode == 'async' else 'disabled'}'",
+    ]
+    trainer = Trainer(load_config(RECIPE, overrides, world_size=1))
+    ends: list[float] = []
+    real_step = trainer.train_step
+
+    def timed_step(**flags):
+        result = real_step(**flags)
+        ends.append(time.perf_counter())
+        return result
+
+    trainer.train_step = timed_step
+    trainer.train()
+    intervals = {step: ends[step - 1] - ends[step - 2] for step in range(2, len(ends) + 1)}
+    events = [e for e in read_events(run_dir) if e["event"] == "checkpoint"]
+    return {"intervals": intervals, "events": events}
+
+
+def summarize(arm: dict, interval: int, steps: int) -> dict:
+    """Steps right after a save's step (they carry what the save blocked) against the others;
+    the first steps (warm-up) and the final save are left out."""
+    after_save = [t for s, t in arm["intervals"].items() if s > 2 and (s - 1) % interval == 0]
+    plain = [t for s, t in arm["intervals"].items() if s > 2 and (s - 1) % interval != 0]
+    saves = [e for e in arm["events"] if e["step"] < steps]
+    return {
+        "step_after_save_s": statistics.median(after_save),
+        "step_plain_s": statistics.median(plain),
+        "blocked_s": statistics.median(e["blocked_s"] for e in saves),
+        "write_s": statistics.median(e["write_s"] for e in saves),
+        "committed_steps_later": statistics.median(
+            e["committed_after_step"] - e["step"] for e in saves
+        ),
+    }
+
+
+def commit_cost(args, data: Path, root: Path) -> dict:
+    """Median time of rank 0's commit with the fsyncs and with them a no-op, arms alternating."""
+    times: dict[str, list[float]] = {"fsync": [], "no fsync": []}
+    real_commit, real_sync = layout.commit, layout.sync_path
+
+    def timed_commit(commit_root, step):
+        started = time.perf_counter()
+        final = real_commit(commit_root, step)
+        times[current].append(time.perf_counter() - started)
+        return final
+
+    saver.layout.commit = timed_commit
+    try:
+        for round_ in range(args.rounds):
+            for current in ("fsync", "no fsync") if round_ % 2 == 0 else ("no fsync", "fsync"):
+                layout.sync_path = real_sync if current == "fsync" else (lambda path: None)
+                run_arm(args, data, root / f"commit_{round_}_{current}", "sync")
+    finally:
+        layout.commit, layout.sync_path = real_commit, real_sync
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", default="debug")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--interval", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each arm, alternating")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kiln-ckpt-loop-") as scratch:
+        root = Path(scratch)
+        data = ensure_demo_corpus(root / "demo", max_bytes=2_000_000)
+        results: dict[str, list[dict]] = {"sync": [], "async": []}
+        for round_ in range(args.rounds):
+            for mode in ("sync", "async") if round_ % 2 == 0 else ("async", "sync"):
+                arm = run_arm(args, data, root / f"{mode}_{round_}", mode)
+                results[mode].append(summarize(arm, args.interval, args.steps))
+        report = {
+            mode: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+            for mode, rounds in results.items()
+        }
+        report["commit"] = commit_cost(args, data, root)
+    print(json.dumps({"args": vars(args), **report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
