@@ -79,15 +79,22 @@ def records(run_dir):
     }
 
 
-def mismatches(got, expected, *, tolerance=TOLERANCE, param_tolerance=TOLERANCE):
+def mismatches(
+    got, expected, *, tolerance=TOLERANCE, param_tolerance=TOLERANCE, norm_tolerance=None
+):
     """What differs between two records of one step: {key: (got, expected)}, where a key is
     'loss', 'grad_norm' or 'param_grad_norms/<name>' (a name missing on one side: None).
-    `tolerance`, `param_tolerance`: the relative bounds of the loss and gradient norm, and of the
-    per-parameter norms (TOLERANCE unless a test says why its runs are noisier)."""
+    `tolerance`, `norm_tolerance`, `param_tolerance`: the relative bounds of the loss, of the
+    global gradient norm (`tolerance` unless given) and of the per-parameter norms (TOLERANCE
+    unless a test says why its runs are noisier)."""
+    bounds = {
+        "loss": tolerance,
+        "grad_norm": tolerance if norm_tolerance is None else norm_tolerance,
+    }
     found = {
         key: (got[key], expected[key])
-        for key in ("loss", "grad_norm")
-        if abs(got[key] - expected[key]) > tolerance * abs(expected[key])
+        for key, bound in bounds.items()
+        if abs(got[key] - expected[key]) > bound * abs(expected[key])
     }
     norms, reference = got["param_grad_norms"], expected["param_grad_norms"]
     floor = FLOOR * expected["grad_norm"]
@@ -99,11 +106,21 @@ def mismatches(got, expected, *, tolerance=TOLERANCE, param_tolerance=TOLERANCE)
 
 
 def assert_parity(
-    got, expected, steps=range(1, STEPS + 1), *, tolerance=TOLERANCE, param_tolerance=TOLERANCE
+    got,
+    expected,
+    steps=range(1, STEPS + 1),
+    *,
+    tolerance=TOLERANCE,
+    param_tolerance=TOLERANCE,
+    norm_tolerance=None,
 ):
     for step in steps:
         found = mismatches(
-            got[step], expected[step], tolerance=tolerance, param_tolerance=param_tolerance
+            got[step],
+            expected[step],
+            tolerance=tolerance,
+            param_tolerance=param_tolerance,
+            norm_tolerance=norm_tolerance,
         )
         listing = "\n".join(f"  {key}: {a} vs one process {b}" for key, (a, b) in found.items())
         assert not found, f"step {step}: {len(found)} values differ\n{listing}"
