@@ -1,4 +1,4 @@
-"""Peak dense bf16 FLOP/s by accelerator and model FLOPs utilization (DESIGN §9)."""
+"""Peak dense bf16 FLOP/s by accelerator and model FLOPs utilization."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Parameter counts and honest training FLOPs per token (DESIGN §9), in one place."""
+"""Parameter counts and honest training FLOPs per token, in one place."""
 
 from __future__ import annotations
 

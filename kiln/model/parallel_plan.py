@@ -1,4 +1,4 @@
-"""What a model family tells `kiln/parallel/` about its structure (DESIGN §4).
+"""What a model family tells `kiln/parallel/` about its structure (docs/architecture.md).
 
 The parallel recipes know the order of application and the mechanics (DTensor, fully_shard,
 checkpoint wrappers, pipeline stages); the model family knows its module names. A family hands

@@ -1,4 +1,4 @@
-"""Context parallel (DESIGN §4): each sequence split over the `cp` ranks, attention over all of it.
+"""Context parallel: each sequence split over the `cp` ranks, attention over all of it.
 
 Every cp rank reads the same micro-batches (cp ranks are not data ranks) and keeps its part of
 each sequence: the sequence is cut into 2·cp chunks and rank i keeps chunks i and 2·cp−1−i. Under

@@ -1,4 +1,4 @@
-"""Expert parallel (DESIGN §4): each MoE layer's routed experts split over the `ep` ranks, tokens
+"""Expert parallel (docs/moe.md): each MoE layer's routed experts split over the `ep` ranks, tokens
 carried to them and back by all-to-all.
 
 Rank r of the ep group holds experts [r·E/ep, (r+1)·E/ep): the stacked expert weights become

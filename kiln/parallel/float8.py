@@ -13,7 +13,7 @@ experts (grouped GEMMs, which torchao's float8 training does not cover here), la
 dimensions on a rank are not multiples of 16 (float8 matmuls need them), and any layer
 `fp8.keep_high_precision` names.
 
-Conversion swaps modules, so it runs before tensor parallel (DESIGN §4 names FP8 after CP: a
+Conversion swaps modules, so it runs before tensor parallel (the apply order in docs/architecture.md lists FP8 after CP: a
 module swap cannot follow TP, whose styles hold onto the modules they wrap). Under tensorwise
 scaling TP then uses torchao's float8 styles (`float8_tensor_parallel`): activations are cast to
 float8 before TP gathers them, half the bytes of a bf16 gather, with one scale for the whole

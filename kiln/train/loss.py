@@ -1,4 +1,4 @@
-"""Token losses as sums; the trainer divides by the global count of valid tokens (DESIGN §4).
+"""Token losses as sums; the trainer divides by the global count of valid tokens.
 
 `train.loss = "cross_entropy"` takes the model's logits. `"chunked_cross_entropy"` takes the final
 norm's output and applies the output head itself, `train.loss_chunk_tokens` tokens at a time: each

@@ -1,4 +1,4 @@
-"""Context parallel parity (DESIGN §5): every cp layout trains like one process on the whole batch,
+"""Context parallel parity: every cp layout trains like one process on the whole batch,
 with plain causal attention and with document masking.
 
 Each cp rank keeps 2 of 2·cp chunks of every sequence (head-tail), applies RoPE at the global

@@ -1,4 +1,4 @@
-"""Document masking under tensor and data parallelism reproduces one process (DESIGN §5).
+"""Document masking under tensor and data parallelism reproduces one process.
 
 A gloo job on a gang of two processes (workers.py) trains a few SGD steps on one fixed packed batch
 in several layouts; the losses and full gradients of every step match a one-process run.

@@ -1,5 +1,5 @@
 """Expert parallel: the all-to-all dispatcher (exact against the local one) and every layout with
-`ep` against one process on the same global batch (DESIGN §5): loss, gradient norm, every
+`ep` against one process on the same global batch: loss, gradient norm, every
 parameter's gradient norm and the MoE records (expert biases and loads equal, balancing losses
 within the parity tolerance), for both routers, with and without full activation checkpointing
 and with a capacity factor; then checkpoints saved at ep=2 × dp_shard=2 resumed at other expert

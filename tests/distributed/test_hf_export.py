@@ -1,4 +1,4 @@
-"""`kiln convert kiln-to-hf` exports checkpoints written by multi-process layouts (DESIGN §5):
+"""`kiln convert kiln-to-hf` exports checkpoints written by multi-process layouts:
 DCP keys the state by parameter name, so one process reads a checkpoint of any layout whole. Each
 layout trains the debug model 2 steps on a gang of 4 ranks on CPU (gloo) and checkpoints; the export
 must hold exactly the checkpoint's weights and give the logits of kiln's model."""

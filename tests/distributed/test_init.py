@@ -1,4 +1,4 @@
-"""The initial full weights are identical in every layout (DESIGN §4)."""
+"""The initial full weights are identical in every layout (docs/architecture.md)."""
 
 import pytest
 import torch

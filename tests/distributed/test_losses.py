@@ -1,4 +1,4 @@
-"""The chunked cross-entropy and the z-loss under sharding (DESIGN §5).
+"""The chunked cross-entropy and the z-loss under sharding.
 
 Parity: layouts running `train.loss = "chunked_cross_entropy"` reproduce one process running the
 plain loss, under FSDP, tensor parallel (loss parallel inside each chunk) and pipeline parallel

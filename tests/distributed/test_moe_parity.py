@@ -1,4 +1,4 @@
-"""Mixture-of-Experts parity (DESIGN §5): every layout kiln builds trains the debug_moe model
+"""Mixture-of-Experts parity: every layout kiln builds trains the debug_moe model
 (a dense first block, then MoE blocks of 8 experts, top 2, one shared expert) like one process,
 with every balancing feature on: the Switch load-balance loss, the sequence-wise loss, the router
 z-loss and the auxiliary-loss-free bias updates. Besides loss, gradient norm and per-parameter

@@ -1,4 +1,4 @@
-"""Every optimizer gives the update of one process in every layout (DESIGN §5): Muon (its
+"""Every optimizer gives the update of one process in every layout: Muon (its
 Newton–Schulz on whole matrices, per expert for stacked experts, fp32 in fp32 runs), Lion and
 Schedule-Free AdamW (elementwise on the local shards), compared
 step by step on loss, gradient norm and every parameter's gradient norm, which from step 2 on

@@ -1,4 +1,4 @@
-"""Parity (DESIGN §5): every data-parallel and tensor-parallel layout reproduces one process.
+"""Parity: every data-parallel and tensor-parallel layout reproduces one process.
 
 Compiled blocks are checked in test_moe_parity.py on the debug_moe model, whose first block is a
 dense Llama block and the next an MoE block: one run compiles both kinds (a cold compile costs

@@ -1,4 +1,4 @@
-"""Pipeline parallel reproduces one process (DESIGN §5): every schedule at pp=2 and pp=4, composed
+"""Pipeline parallel reproduces one process: every schedule at pp=2 and pp=4, composed
 with tensor parallel, FSDP, activation checkpointing, gradient accumulation and tied embeddings,
 and checkpoints that move between pipelined and unpipelined layouts."""
 

@@ -1,4 +1,4 @@
-"""One run carried through four layouts (DESIGN §7): a Hugging Face model converted to kiln is the
+"""One run carried through four layouts: a Hugging Face model converted to kiln is the
 warm start of a `dp_shard=4` job, whose checkpoints resume as `tp=2 × dp_shard=2`, then
 `pp=2 × dp_shard=2`, then one process; every step matches one process that ran it all."""
 

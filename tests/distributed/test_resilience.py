@@ -1,4 +1,4 @@
-"""Jobs that are told to stop, lose a rank or blow up (DESIGN §7): real processes, real signals.
+"""Jobs that are told to stop, lose a rank or blow up: real processes, real signals.
 
 Ranks are started by hand (RANK, WORLD_SIZE, MASTER_ADDR) where the test must see what kiln
 itself does to a process (signals, a killed peer), by torchrun where the launcher's part

@@ -1,4 +1,4 @@
-"""Where a run stops and how it goes on (DESIGN §3, §7): train.stop_at_step, train.time_limit_minutes,
+"""Where a run stops and how it goes on: train.stop_at_step, train.time_limit_minutes,
 Ctrl-C, and the end of a run whose last checkpoint is still being written in the background.
 `kiln train` as the command line runs it, on a gang's process (workers.py) where only kiln's own
 decisions are under test, in processes of their own where signals are; resumed losses are

@@ -1,4 +1,4 @@
-"""Hugging Face parity (DESIGN §5): converted models give the same logits and tokens as transformers."""
+"""Hugging Face parity: converted models give the same logits and tokens as transformers."""
 
 from __future__ import annotations
 

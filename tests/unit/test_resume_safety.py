@@ -1,4 +1,4 @@
-"""What can go wrong around checkpoints on one process (DESIGN §7): damaged checkpoints, a run
+"""What can go wrong around checkpoints on one process: damaged checkpoints, a run
 directory of another config, async saves, a full or unwritable disk."""
 
 from __future__ import annotations
