@@ -21,6 +21,7 @@ from kiln.errors import KilnError
 from kiln.model import Transformer, build_model, materialize
 from kiln.model.generate import generate
 from kiln.model.rope import Llama3Scaling
+from tests.conftest import REPO
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,6 +124,18 @@ def test_hf_to_kiln_logits_match(hf_model, kiln_ckpt):
         got = _load_kiln(kiln_ckpt)(tokens)
     assert _max_diff(got, expected) <= TOLERANCE
     assert (kiln_ckpt / "tokenizer.json").is_file()
+
+
+def test_hf_to_kiln_writes_the_layout_docs_describe(hf_dir, tmp_path):
+    """docs/checkpoints.md: OUT/latest and OUT/step_00000000/ holding the tokenizer."""
+    out = tmp_path / "ckpt"
+    hf_to_kiln(hf_dir, out)
+    assert (out / "latest").read_text().strip() == "step_00000000"
+    for name in ("tokenizer.json", "config.toml", "train_state.json", "COMPLETE"):
+        assert (out / "step_00000000" / name).is_file(), name
+    assert sorted(p.name for p in out.iterdir()) == ["latest", "step_00000000"]
+    doc = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
+    assert "`OUT/latest` and `OUT/step_00000000/`" in doc and "OUT/tokenizer.json" not in doc
 
 
 def test_hf_to_kiln_maps_config(kiln_ckpt):
