@@ -16,7 +16,7 @@ side by side:
 
     python benchmarks/fsdp_overhead.py --pairs 3 --steps 24 --skip 8
     python benchmarks/fsdp_overhead.py --pairs 4 \
-        --variant=--distributed.shared_memory_collectives=false
+        --variant=--distributed.reshard_after_forward=false
     git worktree add /tmp/kiln-before HEAD~1
     python benchmarks/fsdp_overhead.py --pairs 4 --checkout /tmp/kiln-before
 
@@ -215,7 +215,7 @@ def main() -> None:
         action="append",
         default=[],
         help="one more arm (b) with these overrides, e.g. "
-        "'--distributed.shared_memory_collectives=false' (repeatable)",
+        "'--distributed.reshard_after_forward=false' (repeatable)",
     )
     parser.add_argument(
         "--checkout",

@@ -5,8 +5,12 @@ over nine steps is the cost of a step. benchmarks/test_suite.md reads it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gang_jobs.py --rounds 2
 
-`--variant=ARGS` (e.g. `--variant=--distributed.shared_memory_collectives=false`) also runs each
-layout with those overrides in the same round, right after, for a side-by-side step cost.
+`--variant=ARGS` (e.g. `--variant=--distributed.reshard_after_forward=false`) also runs each
+layout with those overrides in the same round, right after, for a side-by-side step cost. The
+word `gloo` among them runs that arm on stock gloo instead of the test suite's shared-memory
+arena (tests/support/accelerator.py), which the gang jobs use by default:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gang_jobs.py --rounds 2 --variant=gloo
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ def job_seconds(
 ) -> float:
     ranks, overrides = LAYOUTS[layout]
     run_dir = Path(tempfile.mkdtemp(dir=root)) / "run"
-    extra = [*overrides, "--scheduler.warmup_steps=0", *variant]
+    extra = [*overrides, "--scheduler.warmup_steps=0", *(v for v in variant if v != "gloo")]
     args = train_args(run_dir, data, *extra, steps=steps)
     start = time.monotonic()
-    gangs.run(ranks, kiln_train, args)
+    gangs.run(ranks, kiln_train, args, shared_memory="gloo" not in variant)
     return time.monotonic() - start
 
 

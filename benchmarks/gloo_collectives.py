@@ -4,9 +4,10 @@ buffers the size of FSDP units of the 29M model in fsdp_overhead.py (1 to 34 MB 
 Times, per call (mean of 10 after one warm-up), gloo's `all_gather_into_tensor`,
 `reduce_scatter_tensor` and `all_reduce` of the whole buffer, and a reduce-scatter built from
 `all_to_all_single` plus a local sum of the received slices, and kiln's shared-memory all-gather
-and reduce-scatter (kiln/parallel/shared_memory_collectives.py), checked equal to gloo's:
+and reduce-scatter (tests/support/shared_memory_collectives.py, the test suite's), checked
+equal to gloo's:
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \\
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         benchmarks/gloo_collectives.py
 """
 
@@ -17,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kiln.parallel.shared_memory_collectives import (
+from tests.support.shared_memory_collectives import (
     SharedMemoryAllGather,
     SharedMemoryBuffers,
     SharedMemoryReduceScatter,

@@ -169,9 +169,20 @@ def did_you_mean(word: str, choices: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# Keys a release removed, with why: still accepted (the resolved config.toml of every older run
+# and checkpoint holds them), ignored, with a note. docs/configuration.md lists them.
+REMOVED_KEYS = {
+    "distributed.shared_memory_collectives": (
+        "CPU runs use gloo's collectives (the shared-memory ones are a test-suite accelerator now)"
+    ),
+}
+_noted: set[str] = set()
+
+
 def build_dataclass(cls: type, data: dict[str, Any], where: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    data = {key: value for key, value in data.items() if not _removed(f"{where}{key}")}
     for key in data:
         if key not in names:
             what = "section" if not where else "key"
@@ -183,6 +194,20 @@ def build_dataclass(cls: type, data: dict[str, Any], where: str, problems: list[
             kwargs[name] = convert(data[name], hints[name], f"{where}{name}", problems)
     kwargs = {k: v for k, v in kwargs.items() if v is not _INVALID}
     return cls(**kwargs)
+
+
+def _removed(key: str) -> bool:
+    """Whether `key` is one of REMOVED_KEYS; says so on stderr once per process."""
+    if key not in REMOVED_KEYS:
+        return False
+    if key not in _noted:
+        _noted.add(key)
+        print(
+            f"kiln: note: {key} was removed and is ignored: {REMOVED_KEYS[key]}. "
+            "Delete it from the recipe (an older checkpoint's config.toml may keep it).",
+            file=sys.stderr,
+        )
+    return True
 
 
 _INVALID = object()

@@ -231,10 +231,6 @@ class DistributedConfig:
     # FSDP: free each block's gathered parameters after its forward (True) or keep them until
     # its backward (False: one all-gather per block per step instead of two, ZeRO-2 memory).
     reshard_after_forward: bool = True
-    # CPU: FSDP's all-gathers and reduce-scatters, and the tp groups' all-reduces, all-gathers and
-    # reduce-scatters, through shared memory (/dev/shm) when the ranks of a group share a host,
-    # instead of gloo's TCP loopback. No effect on GPUs.
-    shared_memory_collectives: bool = True
     pp_schedule: str = "1f1b"
     # 0: one sequence per micro-batch, i.e. train.batch_size micro-batches per pipeline pass.
     pp_microbatches: int = 0

@@ -25,7 +25,6 @@ from kiln.parallel.fsdp import apply_fsdp
 from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.mixed_precision import fsdp_policy
 from kiln.parallel.pipeline import split_into_stages
-from kiln.parallel.shared_memory_collectives import use_shared_memory_collectives
 from kiln.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -81,8 +80,6 @@ def apply_parallelism(
                 block.compile()
         if sharded:
             shard(part)
-    if sharded and _device(parallel).type == "cpu" and cfg.distributed.shared_memory_collectives:
-        use_shared_memory_collectives(parts, timeout_s=cfg.resilience.collective_timeout_s)
     return parts
 
 

@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kiln.config.sections import DistributedConfig
 from kiln.config.validate import resolve_layout
-from kiln.parallel import shared_memory_process_group
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
@@ -153,24 +152,10 @@ def init_parallel(
         device.type,
         tuple(degrees[d] for d in MESH_DIMS),
         mesh_dim_names=MESH_DIMS,
-        backend_override=_shared_memory_tp(dist_cfg, device, degrees, timeout_s),
     )
     return ParallelContext(
         rank=dist.get_rank(), world_size=world_size, device=device, degrees=degrees, mesh=mesh
     )
-
-
-def _shared_memory_tp(
-    dist_cfg: DistributedConfig, device: torch.device, degrees: dict[str, int], timeout_s: float
-) -> dict:
-    """On CPU, the tp groups' all-reduces, all-gathers and reduce-scatters through shared memory
-    (a group whose ranks turn out not to share a host keeps gloo)."""
-    wanted = device.type == "cpu" and degrees["tp"] > 1 and dist_cfg.shared_memory_collectives
-    if not (wanted and shared_memory_process_group.register()):
-        return {}
-    timeout = datetime.timedelta(seconds=timeout_s)
-    options = shared_memory_process_group.SharedMemoryOptions(_timeout=timeout)
-    return {"tp": (shared_memory_process_group.BACKEND, options)}
 
 
 def _restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dict:

@@ -1,6 +1,6 @@
 """Gang jobs for FP8 on gloo, which has no float8 dtype: float8 all-gathers (FSDP's of weights,
 tensor parallel's of activations) move the same bytes as uint8. NCCL takes float8 directly, and
-so do kiln's shared-memory all-gathers (FSDP's on CPU by default), which move bytes."""
+so do the test suite's shared-memory all-gathers (FSDP's in the gang jobs), which move bytes."""
 
 import contextlib
 
@@ -23,11 +23,11 @@ def kiln_train_gathering_float8_as_bytes(args: list[str]) -> None:
 @contextlib.contextmanager
 def _fsdp_gathers_as_bytes(counts: dict[str, int]):
     """FSDP2 gathers its float8 weight shards with all_gather_single on gloo, or with kiln's
-    shared-memory all-gather (kiln's default on CPU), which moves bytes of any dtype: counted."""
+    shared-memory all-gather (the gang jobs' default), which moves bytes of any dtype: counted."""
     import torch
     import torch.distributed as dist
 
-    from kiln.parallel.shared_memory_collectives import SharedMemoryAllGather
+    from tests.support.shared_memory_collectives import SharedMemoryAllGather
 
     gather, shared_gather = dist.all_gather_single, SharedMemoryAllGather.__call__
 

@@ -1,4 +1,5 @@
-"""The tensor-parallel groups' process group on CPU (kiln/parallel/shared_memory_process_group.py).
+"""The tensor-parallel groups' process group on CPU (tests/support/shared_memory_process_group.py),
+the test suite's accelerator.
 
 On 4 ranks, in the world group and in two groups of 2 at once, with rows so small that every
 collective goes in several pieces and reuses the arena: DTensor's functional all-reduce (sum
@@ -8,11 +9,13 @@ what the arena does not compute (a max, a broadcast) is gloo's and right too. Th
 sequence parallelism itself, on 2 ranks: three AdamW steps of a block with a sequence-parallel
 norm, a column- and a row-parallel linear, whose gradients every step and final weights are
 bitwise those on a gloo group, also with tiny rows, and with an arena that cannot be reserved
-(gloo, with one warning). Nothing is left in /dev/shm.
+(gloo, with one warning). Each collective the arena computes is seen to go through it (its
+count of collectives and bytes grows; what gloo computes leaves them alone), so a group that
+quietly used gloo for everything fails. Nothing is left in /dev/shm.
 """
 
+import contextlib
 import datetime
-import glob
 
 import torch
 import torch.distributed as dist
@@ -27,8 +30,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from kiln.parallel import shared_memory_process_group as shm_group
-from tests.distributed.test_shared_memory_collectives import seeded
+from tests.distributed.test_shared_memory_collectives import own_files, seeded
+from tests.distributed.workers import clear_dtensor_caches
+from tests.support import shared_memory_process_group as shm_group
 
 
 def test_collectives_are_the_rank_order_sums_in_pieces_and_groups(gangs):
@@ -68,7 +72,7 @@ def check_collectives() -> None:
             assert group.arena.rows is not None
             check_group(group)
         dist.barrier()
-        assert not glob.glob("/dev/shm/kiln-fsdp-*"), "a shared-memory buffer file was left"
+        assert not own_files(), "a shared-memory buffer file was left"
     finally:
         shm_group.ROW_BYTES = row_bytes  # the gang's processes run later jobs
         dist.destroy_process_group()
@@ -77,31 +81,56 @@ def check_collectives() -> None:
 def check_group(group: dist.ProcessGroup) -> None:
     members = dist.get_process_group_ranks(group)
     ranks, me = len(members), group.rank()
+    arena = Moved(group.arena)
     for dtype in (torch.float32, torch.bfloat16):
         for numel in (7, 301, 1000):
             case = (dtype, numel, ranks)
             inputs = [seeded(r, numel, dtype) for r in members]
             total = in_rank_order(inputs)
-            assert torch.equal(funcol.all_reduce(inputs[me], "sum", group).wait(), total), case
-            mean = funcol.all_reduce(inputs[me], "avg", group).wait()
+            with arena.through(case):
+                got = funcol.all_reduce(inputs[me], "sum", group).wait()
+            assert torch.equal(got, total), case
+            with arena.through(case):
+                mean = funcol.all_reduce(inputs[me], "avg", group).wait()
             assert torch.equal(mean, total / ranks), case
             summed = inputs[me].clone()
-            dist.all_reduce(summed, group=group)
+            with arena.through(case):
+                dist.all_reduce(summed, group=group)
             assert torch.equal(summed, total), case
             largest = inputs[me].clone()
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)  # gloo's
+            with arena.through(case, expected=False):  # gloo's
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
             assert torch.equal(largest, torch.stack(inputs).amax(0)), case
 
-            gathered = funcol.all_gather_tensor(inputs[me], 0, group).wait()
+            with arena.through(case):
+                gathered = funcol.all_gather_tensor(inputs[me], 0, group).wait()
             assert torch.equal(gathered, torch.cat(inputs)), case
 
             full = [seeded(100 + r, ranks * numel, dtype).view(ranks, numel) for r in members]
-            scattered = funcol.reduce_scatter_tensor(full[me].reshape(-1), "sum", 0, group)
-            assert torch.equal(scattered.wait(), in_rank_order([f[me] for f in full])), case
+            with arena.through(case):
+                scattered = funcol.reduce_scatter_tensor(full[me].reshape(-1), "sum", 0, group)
+                scattered = scattered.wait()
+            assert torch.equal(scattered, in_rank_order([f[me] for f in full])), case
 
             sent = inputs[0].clone() if me == 0 else torch.zeros(numel, dtype=dtype)
-            dist.broadcast(sent, group_src=0, group=group)  # gloo's
+            with arena.through(case, expected=False):  # gloo's
+                dist.broadcast(sent, group_src=0, group=group)
             assert torch.equal(sent, inputs[0]), case
+
+
+class Moved:
+    """Whether a collective went through the arena: its counts of collectives and bytes grow."""
+
+    def __init__(self, arena) -> None:
+        self.arena = arena
+
+    @contextlib.contextmanager
+    def through(self, case, *, expected: bool = True):
+        before = self.arena.collectives, self.arena.bytes_moved
+        yield
+        after = self.arena.collectives, self.arena.bytes_moved
+        moved = after[0] > before[0] and after[1] > before[1]
+        assert moved == expected, (case, "through the arena" if moved else "not through it")
 
 
 def check_training() -> None:
@@ -117,6 +146,9 @@ def check_training() -> None:
             ("no room", 2**60),  # no file system reserves it: gloo
         ):
             shm_group.ROW_BYTES = rows
+            # DTensor caches its plans by mesh, and meshes of the same shape compare equal:
+            # without this, every way ran on the first way's group (gloo), the arena unused.
+            clear_dtensor_caches()
             backend = "gloo" if way == "gloo" else shm_group.BACKEND
             mesh = init_device_mesh(
                 "cpu", (2,), mesh_dim_names=("tp",), backend_override={"tp": backend}
@@ -124,6 +156,9 @@ def check_training() -> None:
             shared = isinstance(mesh.get_group(), shm_group.SharedMemoryProcessGroup)
             assert shared == (way != "gloo"), way
             runs[way] = train_three_steps(mesh)
+            arena = mesh.get_group().arena if shared else None
+            moved = arena.bytes_moved if arena is not None and arena.rows is not None else 0
+            assert (moved > 0) == (way in ("shared memory", "small rows")), (way, moved)
         for way, (grads, weights) in runs.items():
             assert all(map(torch.equal, grads, runs["gloo"][0])), way
             assert all(map(torch.equal, weights, runs["gloo"][1])), way

@@ -9,7 +9,9 @@ Trainer run exactly as on the command line, and the process group is set up from
 store the gang starts for each job, as torchrun's agent does) and torn down at the clean end of
 the job, as `kiln train` does under torchrun. Environment variables and a mutation
 (tests/support/mutations.py, by name) are set for one job only, and every job gets its own
-output file per rank.
+output file per rank. A job's CPU collectives go through the test suite's shared-memory arena
+(tests/support/accelerator.py: on 2 cores, gloo's TCP loopback takes much of a step), or, for
+a job run with `shared_memory=False`, through stock gloo, as kiln's own CPU runs do.
 
 A job that fails on any rank (an exception, a non-zero exit, a dead process) or runs past its
 time limit is reported with every rank's traceback and output. When every rank answered (each
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from tests.support import mutations
+from tests.support import accelerator, mutations
 
 JOB_TIMEOUT_S = 300
 # A worker with more threads than this is replaced before its next job: a safety net, since
@@ -115,10 +117,12 @@ class Gang:
         *args,
         env: dict | None = None,
         mutation: str | None = None,
+        shared_memory: bool = True,
         timeout: float = JOB_TIMEOUT_S,
     ):
-        """Call `function(*args)` on every rank, with `mutation` installed (None: none);
-        return each rank's output (stdout and stderr)."""
+        """Call `function(*args)` on every rank, with `mutation` installed (None: none) and
+        kiln's CPU collectives in shared memory (`shared_memory`) or on gloo; return each rank's
+        output (stdout and stderr)."""
         self.jobs += 1
         logs = [self.log_dir / f"job_{self.jobs}_rank_{r}.txt" for r in range(self.world_size)]
         # The job's store is up before any rank starts, hosted here as torchrun's agent hosts
@@ -126,7 +130,7 @@ class Gang:
         # (0.3-0.6 s of each job's start-up, benchmarks/test_suite.md).
         store = TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
         agent = {"MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-        job = (function, args, {**(env or {}), **agent}, mutation)
+        job = (function, args, {**(env or {}), **agent}, mutation, shared_memory)
         for conn, log in zip(self.conns, logs, strict=True):
             conn.send((*job, str(log)))
         started = time.monotonic()
@@ -192,6 +196,7 @@ class Gangs:
         *args,
         env: dict | None = None,
         mutation: str | None = None,
+        shared_memory: bool = True,
     ) -> list[str]:
         gang = self.gangs.get(world_size)
         if gang is not None and gang.alive and gang.threads() > MAX_THREADS:
@@ -200,7 +205,7 @@ class Gangs:
             self.started += 1
             gang = Gang(world_size, self.log_dir / f"gang_{self.started}_of_{world_size}")
             self.gangs[world_size] = gang
-        return gang.run(function, *args, env=env, mutation=mutation)
+        return gang.run(function, *args, env=env, mutation=mutation, shared_memory=shared_memory)
 
     def close(self) -> None:
         for gang in self.gangs.values():
@@ -245,12 +250,14 @@ def serve(rank: int, world_size: int, conn, log: str) -> None:
             conn.send(_run(*job))
 
 
-def _run(function, args: tuple, env: dict, mutation: str | None, log: str) -> str | None:
+def _run(
+    function, args: tuple, env: dict, mutation: str | None, shared_memory: bool, log: str
+) -> str | None:
     saved_env = dict(os.environ)
     saved_handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
     os.environ.update(env)
     try:
-        with _output_to(log), mutations.installed(mutation):
+        with _output_to(log), mutations.installed(mutation), accelerator.installed(shared_memory):
             function(*args)
     except BaseException:  # SystemExit too: argparse exits on a bad argument
         return traceback.format_exc()
@@ -275,11 +282,11 @@ def _leave_process_group() -> None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if "torch.distributed.tensor" in sys.modules:
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
     gc.collect()
 
 
-def _clear_dtensor_caches() -> None:
+def clear_dtensor_caches() -> None:
     import torch
     from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
 

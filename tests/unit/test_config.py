@@ -169,3 +169,18 @@ def test_config_imports_nothing_of_kiln_but_errors():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kiln."):
                 assert node.module.startswith(("kiln.config", "kiln.errors")), (path, node.module)
+
+
+def test_a_removed_key_is_ignored_with_a_note(capsys):
+    """The resolved config.toml of every older run and checkpoint sets
+    distributed.shared_memory_collectives: it still loads, and kiln says the key is gone."""
+    from kiln.config import load as config_load
+
+    config_load._noted.clear()
+    raw = {"distributed": {"shared_memory_collectives": True, "tp": 2}}
+    cfg = config_from_dict(raw, ["--distributed.shared_memory_collectives=false"], world_size=2)
+    assert cfg.distributed.tp == 2
+    assert not hasattr(cfg.distributed, "shared_memory_collectives")
+    err = capsys.readouterr().err
+    assert err.count("distributed.shared_memory_collectives was removed and is ignored") == 1
+    assert "Delete it from the recipe" in err

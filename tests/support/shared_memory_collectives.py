@@ -1,4 +1,6 @@
-"""FSDP's all-gather and reduce-scatter through shared memory, for CPU ranks on one host.
+"""FSDP's all-gather and reduce-scatter through shared memory, for CPU ranks on one host: the
+test suite's accelerator, installed by the gang workers (accelerator.py), never by kiln, whose
+CPU runs use gloo.
 
 On CPU, gloo moves every byte of FSDP's traffic through TCP loopback, on the same cores that
 compute (benchmarks/fsdp_overhead.md). Here the ranks of a group map one arena in /dev/shm
@@ -14,9 +16,11 @@ Once full, the arena is reused from its start: by then every rank has read what 
 it (every collective completes before returning), which the group agrees on in a one-element gloo
 all-reduce, a few times per step. Collectives larger than a row go in pieces. The counters are
 plain stores and loads, ordered by x86's total store order; on other hosts (and between hosts, or
-containers with separate /dev/shm, or without room) the group uses gloo. The tp groups' process
-group (shared_memory_process_group.py) runs the same two collectives, and an all-reduce, on an
-arena of its own.
+containers with separate /dev/shm, or without room, or where any rank fails to map the arena:
+the ranks agree on it) the group uses gloo. Beside its counter, each rank publishes the size of
+its collective, so ranks that disagree on a shard's size get an error, not bytes nobody sent.
+The tp groups' process group (shared_memory_process_group.py) runs the same two collectives, and
+an all-reduce, on an arena of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,9 +42,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 # A group's arena, all rows together, at most.
 BUFFER_BYTES = 256 * 2**20
 ALIGNMENT = 64
-COUNTER_BYTES = 64  # one cache line per rank's counter
+COUNTER_BYTES = 64  # one cache line per rank: its counter, then two collectives' sizes
 DECISION_BYTES = 1024  # rank 0's word on the arena: its path, or why there is none
 SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)  # the reductions the arena computes
+FILE_PREFIX = "kiln-fsdp-"  # then the creating process's id: a test finds its own files
+# How often a waiting rank looks again at the machine's load to choose between polling and
+# sleeping.
+LOAD_CHECK_S = 0.1
 
 
 class SharedMemoryGroup:
@@ -66,15 +75,16 @@ class SharedMemoryGroup:
         self.label = label
         self.offset = 0  # next free byte of every row
         self.collectives = 0  # collectives taken so far; the counters count the same
+        self.bytes_moved = 0  # what this rank wrote into its row: the tests check it is used
         self._fence_flag = torch.zeros(1, dtype=torch.int32)
-        # Polling keeps a core busy: only while every thread of the job has a core of its own;
-        # otherwise a waiting rank sleeps, or it would take the core of the rank it waits for.
-        threads = dist.get_world_size() * torch.get_num_threads()
-        self.poll = threads <= len(os.sched_getaffinity(0))
-        self.rows, self.counters = self._map_arena()
+        self._sizes = (0, 0)  # the current collective's (piece, whole) bytes, as published
+        self.load = MachineLoad(job_threads=dist.get_world_size() * torch.get_num_threads())
+        self.rows, self.header = self._map_arena()
+        self.counters = self.header[:, 0] if self.header is not None else None
 
-    def take(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        """The next `nbytes` of every row (ranks, nbytes) and the collective's number."""
+    def take(self, nbytes: int, whole: int) -> tuple[torch.Tensor, int]:
+        """The next `nbytes` of every row (ranks, nbytes) and the collective's number, for a
+        piece of `nbytes` of a collective of `whole` bytes per rank."""
         assert nbytes <= self.row_bytes
         if self.offset + nbytes > self.row_bytes:
             # Every rank has read what it wanted from the arena once every rank gets here.
@@ -83,66 +93,154 @@ class SharedMemoryGroup:
         start = self.offset
         self.offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
         self.collectives += 1
+        self.bytes_moved += nbytes
+        self._sizes = (nbytes, whole)
         return self.rows[:, start : start + nbytes], self.collectives
 
     def publish(self, collective: int) -> None:
+        """Sizes first, then the counter: x86 keeps the stores in order, so a peer that sees the
+        counter sees the sizes."""
+        slot = _size_slot(collective)
+        self.header[self.rank, slot], self.header[self.rank, slot + 1] = self._sizes
         self.counters[self.rank] = collective
 
     def wait_for(self, collective: int, ranks: Sequence[int]) -> None:
-        """Return once every rank in `ranks` has published `collective`."""
-        deadline = None
+        """Return once every rank in `ranks` has published `collective` with this rank's sizes."""
         for rank in ranks:
-            counter = self.counters[rank]
-            polls, nap = 0, 2e-5
-            while counter.item() < collective:
-                polls += 1
-                if self.poll and polls < 2000:
-                    time.sleep(0)  # yields the core, if anything else wants it
-                    continue
-                deadline = deadline or time.monotonic() + self.timeout_s
-                if time.monotonic() > deadline:
-                    raise dist.DistError(
-                        f"shared-memory collective timed out: rank {rank} of the {self.label} "
-                        f"group did not arrive within {self.timeout_s:.0f} s "
-                        "(resilience.collective_timeout_s)"
-                    )
-                time.sleep(nap)
-                nap = min(2 * nap, 5e-5 if self.poll else 1e-3)
+            self._wait_for_rank(collective, rank)
+            self._check_sizes(collective, rank)
+
+    def _check_sizes(self, collective: int, rank: int) -> None:
+        # A peer is at most one collective ahead (it waits for this rank's next one), so the
+        # slot of `collective` still holds that peer's sizes for it.
+        slot = _size_slot(collective)
+        theirs = tuple(int(v) for v in self.header[rank, slot : slot + 2].tolist())
+        if theirs != self._sizes:
+            raise dist.DistError(
+                f"shared-memory collective {collective} of the {self.label} group: rank {rank} "
+                f"sends {theirs[0]} bytes of {theirs[1]}, this rank (rank {self.rank}) "
+                f"{self._sizes[0]} of {self._sizes[1]}: the ranks disagree on the size"
+            )
+
+    def _wait_for_rank(self, collective: int, rank: int) -> None:
+        deadline = None
+        counter = self.counters[rank]
+        polls, nap = 0, 2e-5
+        while counter.item() < collective:
+            polls += 1
+            if polls < 2000 and self.load.may_poll():
+                time.sleep(0)  # yields the core, if anything else wants it
+                continue
+            deadline = deadline or time.monotonic() + self.timeout_s
+            if time.monotonic() > deadline:
+                raise dist.DistError(
+                    f"shared-memory collective timed out: rank {rank} of the {self.label} "
+                    f"group did not arrive within {self.timeout_s:.0f} s"
+                )
+            time.sleep(nap)
+            nap = min(2 * nap, 5e-5 if self.load.may_poll() else 1e-3)
 
     def _map_arena(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(rows, header) of the arena every rank mapped, or (None, None) on every rank when
+        rank 0 could not create it or any rank could not map it: the group keeps gloo."""
         header = self.ranks * COUNTER_BYTES
         size = header + self.ranks * self.row_bytes
-        # Rank 0 decides where the arena lives (or why it cannot) and tells the group.
+        created = _create_buffer_file(size) if self.rank == 0 else ""
+        try:
+            path = self._agree_on_path(created)
+            mapped = None if path.startswith("error: ") else _map_file(path, size)
+            # Every rank must have mapped it, or none uses it.
+            everyone = torch.tensor([mapped is not None], dtype=torch.int32)
+            _control_all_reduce(self.control, everyone, dist.ReduceOp.MIN)
+        finally:
+            # The mappings keep the memory; the file goes even when a peer never arrives.
+            if not created.startswith("error: ") and self.rank == 0:
+                os.unlink(created)
+        if not everyone.item():
+            self._warn_gloo(path[7:] if path.startswith("error: ") else "a rank could not map it")
+            return None, None
+        words = mapped[:header].view(torch.int64).view(self.ranks, COUNTER_BYTES // 8)
+        return mapped[header:].view(self.ranks, self.row_bytes), words
+
+    def _agree_on_path(self, created: str) -> str:
+        """Rank 0's word on where the arena lives, or 'error: <why>' there is none."""
         decision = torch.zeros(DECISION_BYTES, dtype=torch.uint8)
         if self.rank == 0:
-            encoded = _create_buffer_file(size).encode()[:DECISION_BYTES]
+            encoded = created.encode()[:DECISION_BYTES]
             decision[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         _control_broadcast(self.control, decision)
-        path = bytes(decision.tolist()).rstrip(b"\0").decode(errors="replace")
-        if path.startswith("error: "):
-            if self.rank == 0:
-                print(
-                    f"kiln: WARNING: the {self.label} group's collectives stay on gloo (slower on "
-                    f"CPU): no room for their shared-memory buffer, {path[7:]}. Give /dev/shm "
-                    "more room (docker run --shm-size=1g), or set "
-                    "distributed.shared_memory_collectives = false",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return None, None
-        # Only a rank that sees rank 0's file may map it: mapping a missing path creates a
-        # private file, which would silently share nothing.
-        seen = torch.tensor([1 if os.path.exists(path) else 0], dtype=torch.int32)
-        mapped = None
-        if seen.item():
-            mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        _control_all_reduce(self.control, seen, dist.ReduceOp.MIN)
+        return bytes(decision.tolist()).rstrip(b"\0").decode(errors="replace")
+
+    def _warn_gloo(self, why: str) -> None:
         if self.rank == 0:
-            os.unlink(path)  # the mappings keep the memory; nothing is left behind on exit
-        if not seen.item():
-            return None, None
-        counters = mapped[:header].view(torch.int64).view(self.ranks, COUNTER_BYTES // 8)[:, 0]
-        return mapped[header:].view(self.ranks, self.row_bytes), counters
+            print(
+                f"tests: WARNING: the {self.label} group's collectives stay on gloo: no "
+                f"shared-memory arena, {why}. Give /dev/shm more room "
+                "(docker run --shm-size=1g)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _size_slot(collective: int) -> int:
+    # Words 1-2 and 3-4 of a rank's header line, by the collective's parity.
+    return 1 + 2 * (collective % 2)
+
+
+def _map_file(path: str, size: int) -> torch.Tensor | None:
+    """`path` mapped shared, or None where it cannot be: mapping a missing path would create a
+    private file that silently shares nothing."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+
+
+class MachineLoad:
+    """Whether a waiting rank may poll. Polling keeps a core busy, so only while every thread
+    that wants to run, this job's and every other process's on the machine, has a core; otherwise
+    a waiting rank sleeps, or it takes the core of the rank it waits for, or another job's.
+    Looked at again every LOAD_CHECK_S: another job may start or end."""
+
+    def __init__(
+        self,
+        job_threads: int,
+        *,
+        cores: int | None = None,
+        read_loadavg: Callable[[], str] | None = None,
+    ) -> None:
+        self.job_threads = job_threads
+        self.cores = cores or len(os.sched_getaffinity(0))
+        self.read_loadavg = read_loadavg or _read_loadavg
+        self._checked, self._poll = -float("inf"), False
+
+    def may_poll(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked > LOAD_CHECK_S:
+            self._checked, self._poll = now, self._decide()
+        return self._poll
+
+    def _decide(self) -> bool:
+        runnable = runnable_threads(self.read_loadavg())
+        return max(self.job_threads, runnable or 0) <= self.cores
+
+
+def runnable_threads(loadavg: str) -> int | None:
+    """The machine's runnable threads now (the fourth field of /proc/loadavg, "running/total",
+    counts every process's, the reader included), or None where unknown."""
+    try:
+        return int(loadavg.split()[3].split("/")[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def _read_loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text()
+    except OSError:
+        return ""
 
 
 def _control_all_reduce(control, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
@@ -159,9 +257,12 @@ def _control_broadcast(control, tensor: torch.Tensor) -> None:
 
 def _create_buffer_file(nbytes: int) -> str:
     """A zeroed file of `nbytes` whose memory is reserved now (so a full /dev/shm fails here,
-    not with SIGBUS later), as its path, or 'error: <why>'."""
+    not with SIGBUS later), as its path, or 'error: <why>' (then no file is left)."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    descriptor, path = tempfile.mkstemp(prefix="kiln-fsdp-", dir=directory)
+    try:
+        descriptor, path = tempfile.mkstemp(prefix=f"{FILE_PREFIX}{os.getpid()}-", dir=directory)
+    except OSError as error:
+        return f"error: no file in {directory}: {error.strerror}"
     try:
         os.posix_fallocate(descriptor, 0, nbytes)
     except OSError as error:
@@ -252,7 +353,7 @@ def all_gather(shared: SharedMemoryGroup, output: torch.Tensor, input: torch.Ten
     others = [rank for rank in range(shared.ranks) if rank != me]
     for start in range(0, sent.numel(), shared.row_bytes):
         end = min(start + shared.row_bytes, sent.numel())
-        rows, collective = shared.take(end - start)
+        rows, collective = shared.take(end - start, sent.numel())
         rows[me].copy_(sent[start:end])
         shared.publish(collective)
         shared.wait_for(collective, others)
@@ -272,7 +373,7 @@ def reduce_scatter(
     flat = output.view(-1)
     for start in range(0, size, piece):
         end = min(start + piece, size)
-        rows, collective = shared.take(ranks * (end - start) * itemsize)
+        rows, collective = shared.take(ranks * (end - start) * itemsize, input.numel() * itemsize)
         # Rank r's row holds its chunks for every rank; its own it reads in place.
         slots = rows.view(input.dtype).view(ranks, ranks, end - start)
         mine = chunks[:, start:end]
@@ -294,7 +395,7 @@ def all_reduce(shared: SharedMemoryGroup, tensor: torch.Tensor, op: dist.ReduceO
     others = [rank for rank in range(shared.ranks) if rank != shared.rank]
     for start in range(0, flat.numel(), piece):
         end = min(start + piece, flat.numel())
-        rows, collective = shared.take((end - start) * itemsize)
+        rows, collective = shared.take((end - start) * itemsize, flat.numel() * itemsize)
         slots = rows.view(tensor.dtype)
         slots[shared.rank].copy_(flat[start:end])
         shared.publish(collective)

@@ -1,5 +1,7 @@
 """A CPU process group whose all-reduces, all-gathers and reduce-scatters go through shared memory:
-what DTensor issues for tensor and sequence parallelism, a few dozen times a step.
+what DTensor issues for tensor and sequence parallelism, a few dozen times a step. A test-suite
+accelerator: the gang workers give it to the tp groups of their jobs (accelerator.py); kiln's
+own CPU runs use gloo.
 
 gloo moves each of them through TCP loopback, on the cores that compute; a tensor-parallel step
 on CPU spent a third of its time waiting on them (benchmarks/test_suite.md). This group keeps a
@@ -26,7 +28,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
-from kiln.parallel.shared_memory_collectives import (
+from tests.support.shared_memory_collectives import (
     SUMS,
     SharedMemoryGroup,
     all_gather,
@@ -35,7 +37,7 @@ from kiln.parallel.shared_memory_collectives import (
     supported,
 )
 
-BACKEND = "kiln_shm"
+BACKEND = "tests_shm"
 # A rank's row. Activations larger than a row (tp's are a micro-batch's hidden states) go in
 # pieces; a few of them fill the arena before it is reused.
 ROW_BYTES = 8 * 2**20
