@@ -148,9 +148,10 @@ def test_an_unknown_task_is_one_error(tiny, capsys):
         str(tiny["tasks"]),
     ]
     assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "'tiny_choise' (did you mean 'tiny_choice'?)" in err
-    assert "lm-eval ls tasks" in err
+    lines = capsys.readouterr().err.strip().splitlines()
+    (error,) = [line for line in lines if "error:" in line]  # one line, beside which step it read
+    assert "'tiny_choise' (did you mean 'tiny_choice'?)" in error and "lm-eval ls tasks" in error
+    assert len(lines) == 2 and "evaluating" in lines[0]
 
 
 # A task whose dataset lives on the Hub and in no cache.
