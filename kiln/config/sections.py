@@ -1,4 +1,5 @@
-"""One dataclass per config section (DESIGN §3). Defaults are what a user gets by leaving a key out."""
+"""One dataclass per config section (docs/architecture.md, "Configuration"). Defaults are what a
+user gets by leaving a key out."""
 
 from __future__ import annotations
 

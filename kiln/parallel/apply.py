@@ -1,4 +1,5 @@
-"""The one place that knows the order in which parallelisms and wrappers are applied (DESIGN §4).
+"""The one place that knows the order in which parallelisms and wrappers are applied
+(docs/architecture.md, "The apply order").
 
 PP split → TP → EP → CP → FP8 → AC → compile (per block) → FSDP2, the later steps on each
 pipeline stage, with one exception: FP8's conversion swaps linear modules for torchao's

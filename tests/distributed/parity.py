@@ -1,7 +1,8 @@
-"""Helpers for parity runs (DESIGN §5): `kiln train` jobs on CPU with gloo, fp32, the debug model,
-10 steps, the same global batch of 8 sequences of 64 tokens, compared with one process step by step: the loss,
-the global gradient norm and every parameter's gradient norm. Gradient clipping at 0.5 is active
-most steps, so the clipped update is compared too. The jobs run on gangs (workers.py)."""
+"""Helpers for parity runs (docs/architecture.md, "Parity"): `kiln train` jobs on CPU with gloo,
+fp32, the debug model, 10 steps, the same global batch of 8 sequences of 64 tokens, compared with
+one process step by step: the loss, the global gradient norm and every parameter's gradient norm.
+Gradient clipping at 0.5 is active most steps, so the clipped update is compared too. The jobs run
+on gangs (workers.py)."""
 
 import json
 import shutil

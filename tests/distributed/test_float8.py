@@ -1,7 +1,7 @@
 """FP8 training (train.mixed_precision = "fp8") in every layout it composes with, against one
-process running FP8 (DESIGN §5). On the CPU torchao emulates the float8 matmuls with the casts
-and scales of a GPU run; the rest computes in fp32 (fp8.high_precision), so float8 is the only
-rounding and layouts can be compared closely.
+process running FP8 (docs/architecture.md, "Parity"). On the CPU torchao emulates the float8
+matmuls with the casts and scales of a GPU run; the rest computes in fp32 (fp8.high_precision), so
+float8 is the only rounding and layouts can be compared closely.
 
 Dynamic scales depend on what a rank's matmul sees: the input's scale is taken over its
 micro-batch. So a data-parallel layout is compared with one process running the same

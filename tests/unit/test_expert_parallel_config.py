@@ -1,6 +1,6 @@
 """Validation of expert parallel (`distributed.ep`): it needs a Mixture-of-Experts model whose
-expert count it divides, one clear message each with the valid choices; the seeds' 32-GPU EP
-recipe passes at its world size."""
+expert count it divides, one clear message each with the valid choices; the 32-GPU EP recipe
+(the reference framework's MoE benchmark) passes at its world size."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_kiln_check_refuses_ep_on_the_dense_debug_recipe(capsys):
     assert "distributed.ep = 2 (expert parallel)" in err and "model.preset = 'debug'" in err
 
 
-def test_the_32gpu_ep_recipe_is_the_seeds_benchmark():
+def test_the_32gpu_ep_recipe_is_the_reference_benchmark():
     cfg = load_config(EP_RECIPE, world_size=32)
     assert resolve_layout(cfg.distributed, 32) == {
         "dp_replicate": 1,

@@ -25,7 +25,7 @@ def dist(**kwargs) -> DistributedConfig:
 
 
 def test_balanced_split_counts_embedding_and_head_as_layers():
-    assert layers_per_stage(dist(pp=2), 40) == [20, 20]  # the seeds' 13B: 20 layers per stage
+    assert layers_per_stage(dist(pp=2), 40) == [20, 20]  # the 13B recipe: 20 layers per stage
     assert layers_per_stage(dist(pp=4), 80) == [20, 21, 20, 19]
     even = dist(pp=4, pp_embedding_layers=0, pp_output_layers=0)
     assert layers_per_stage(even, 80) == [20] * 4

@@ -1,7 +1,8 @@
 """The README's tour works when pasted in order: no two commands that train (or check) share a
-run directory with settings a checkpoint there would refuse (DESIGN §3: a run directory belongs
-to one run, and `max_steps` is part of it under a decaying schedule). Every kiln command of the
-README and docs/ parses, names real keys, and its recipe validates in its layout."""
+run directory with settings a checkpoint there would refuse (docs/architecture.md, "Checkpoints
+and exact resume": a run directory belongs to one run, and `max_steps` is part of it under a
+decaying schedule). Every kiln command of the README and docs/ parses, names real keys, and its
+recipe validates in its layout."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The seeds' recipes and the MoE ones exist with their meshes and pass validation at their GPU
-counts, and ship with the package."""
+"""The reference framework's recipes (the 7B, 13B and 70B layouts kiln ships) and the MoE ones
+exist with their meshes and pass validation at their GPU counts, and ship with the package."""
 
 from pathlib import Path
 
