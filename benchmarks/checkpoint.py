@@ -253,9 +253,8 @@ def fingerprint(model, optimizer) -> list[torch.Tensor]:
 
 
 def save(saver: CheckpointSaver, step: int, model, optimizer, cfg) -> Path:
-    return saver.save(
-        step, model=model, optimizer=optimizer, config=cfg, train_state={"tokens_seen": 0}
-    )
+    saver.save(step, model=model, optimizer=optimizer, config=cfg, train_state={"tokens_seen": 0})
+    return layout.step_dir(saver.root, step)
 
 
 # ---------------------------------------------------------------- the phases
@@ -381,7 +380,7 @@ def small_state(args, root: Path) -> dict:
         os.sync()
         start = time.perf_counter()
         r["async_block"].run(partial(save, async_saver, 10 * i + 2, model, optimizer, cfg))
-        async_saver.wait()
+        async_saver.wait(after_step=0)
         r["async_total"].append(time.perf_counter() - start)
         line = (
             f"  repeat {i}: sync save() {r['sync'].last()}; async save() blocks "
@@ -396,7 +395,7 @@ def small_state(args, root: Path) -> dict:
             during = []
             while not async_saver.in_flight.future.done():
                 during.append(timed(step))
-            async_saver.wait()
+            async_saver.wait(after_step=0)
             r["train_total"].append(time.perf_counter() - start)
             r["idle"] += idle
             r["during"] += during
@@ -408,8 +407,8 @@ def small_state(args, root: Path) -> dict:
         print(line, flush=True)
     r["ckpt_bytes"] = size_on_disk(layout.latest_complete(root / "small_sync"))
     memory_note("after async saves (staging buffer held)")
-    async_saver.close()
-    sync_saver.close()
+    async_saver.close(after_step=0)
+    sync_saver.close(after_step=0)
     memory_note("staging buffer released")
 
     # A resume: fresh optimizer without state. load_checkpoint then has DCP allocate it with a

@@ -44,8 +44,8 @@ def save_checkpoint(
     tokenizer_path: Path | None = None,
     keep_last_n: int = 0,
 ) -> Path:
-    """Write and commit step `step` synchronously (see CheckpointSaver)."""
-    return CheckpointSaver(root, keep_last_n=keep_last_n).save(
+    """Write and commit step `step` synchronously (see CheckpointSaver); its folder."""
+    record = CheckpointSaver(root, keep_last_n=keep_last_n).save(
         step,
         model=model,
         optimizer=optimizer,
@@ -53,6 +53,7 @@ def save_checkpoint(
         train_state=train_state,
         tokenizer_path=tokenizer_path,
     )
+    return record.path
 
 
 def load_checkpoint(
