@@ -134,8 +134,9 @@ class CheckpointManager:
             if horizon
             else ""
         )
-        if saved.get("train.global_batch") != current.get("train.global_batch"):
-            why += self._batch_hint(saved["train.global_batch"], current["train.global_batch"])
+        saved_batch = saved.get("train.global_batch")  # older runs did not record it
+        if saved_batch is not None and saved_batch != current["train.global_batch"]:
+            why += self._batch_hint(saved_batch, current["train.global_batch"])
         if self.cfg.resume != "force":
             raise ConfigError(
                 f"{path} was written by a run with different settings ({listing}).{why} "
