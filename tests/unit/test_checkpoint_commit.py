@@ -132,6 +132,19 @@ def _empty_small_files(step_dir: Path) -> None:
     (step_dir.parent / "latest").write_bytes(b"")
 
 
+def _train_args(demo_data: Path, *extra: str) -> list[str]:
+    """`kiln train` of the debug model with a committed checkpoint every 2 steps, all kept."""
+    return [
+        "train",
+        str(DEBUG_CONFIG),
+        f"--data.path={demo_data}",
+        "--data.num_workers=0",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_last_n=0",
+        *extra,
+    ]
+
+
 @pytest.mark.parametrize("damaged", ["small files", "train state"])
 def test_a_hard_stop_after_a_commit_resumes_from_the_previous_checkpoint(
     demo_data, tmp_path, monkeypatch, capsys, damaged
@@ -140,16 +153,7 @@ def test_a_hard_stop_after_a_commit_resumes_from_the_previous_checkpoint(
     resumes from the one before it on its own, says which it skipped and why, and reproduces
     the uninterrupted losses bitwise (the same operations in the same order)."""
     monkeypatch.chdir(tmp_path)
-    args = [
-        "train",
-        str(DEBUG_CONFIG),
-        f"--data.path={demo_data}",
-        "--data.num_workers=0",
-        "--checkpoint.interval=2",
-        "--checkpoint.keep_last_n=0",
-        "--metrics.log_interval=1",
-        f"--train.max_steps={STEPS}",
-    ]
+    args = _train_args(demo_data, f"--train.max_steps={STEPS}", "--metrics.log_interval=1")
     assert main([*args, "--metrics.run_dir=whole"]) == 0
     assert main([*args, "--metrics.run_dir=cut", "--train.stop_at_step=4"]) == 0
     newest = Path("cut", "checkpoints", "step_00000004")  # as the run names it: relative
@@ -172,16 +176,9 @@ def test_a_hard_stop_after_a_commit_resumes_from_the_previous_checkpoint(
 
 def test_no_intact_checkpoint_lists_what_was_found(demo_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    args = [
-        "train",
-        str(DEBUG_CONFIG),
-        f"--data.path={demo_data}",
-        "--data.num_workers=0",
-        "--checkpoint.interval=2",
-        "--train.max_steps=4",
-        "--scheduler.warmup_steps=1",
-        "--metrics.run_dir=run",
-    ]
+    args = _train_args(
+        demo_data, "--train.max_steps=4", "--scheduler.warmup_steps=1", "--metrics.run_dir=run"
+    )
     assert main(args) == 0
     for step in (2, 4):
         _empty_small_files(tmp_path / "run" / "checkpoints" / f"step_{step:08d}")
