@@ -7,7 +7,8 @@ of leaving the others waiting:
 1. rank 0 creates the hidden partial folder and writes the small files; every rank writes its RNG;
 2. DCP writes the sharded model and optimizer state (in a background thread when async, after
    the state has been copied to CPU memory, pinned on GPU machines: all the training loop waits for);
-3. rank 0 commits: marker with the file manifest, rename into place, `latest`, retention.
+3. rank 0 commits: every file and folder fsynced, marker with the file manifest, rename into
+   place, `latest`, retention (`layout.commit`).
 
 A failed save removes its partial folder; the previous checkpoint and `latest` stay as they were.
 Finishing a background save (`wait`) is collective too: the caller decides when, the same on
