@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 .PHONY: install lock demo test lint format clean
 
-# The environment is locked: requirements.lock pins every package at an exact version, so CI, a
+# The environment is locked: requirements.txt pins every package at an exact version, so CI, a
 # user and the next developer install the same ones. `make lock` refreshes it; `pip install .`
 # keeps pyproject's ranges. The installer is pinned too: it reads and writes the lock.
 UV_VERSION := 0.13.9
@@ -23,9 +23,9 @@ $(BIN)/uv:
 # again; `uv pip check` then fails if the lock missed a dependency. A package the lock drops stays
 # in an existing .venv (`uv pip sync` would remove everything the lock does not list, a GPU
 # machine's CUDA packages among them): `rm -rf .venv` for an exact copy.
-$(BIN)/.kiln-installed: pyproject.toml requirements.lock | $(BIN)/uv
-	$(BIN)/python -m pip install -q -c requirements.lock torch
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -r requirements.lock
+$(BIN)/.kiln-installed: pyproject.toml requirements.txt | $(BIN)/uv
+	$(BIN)/python -m pip install -q -c requirements.txt torch
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -r requirements.txt
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
 	$(BIN)/uv pip check -q --python $(BIN)/python
 	touch $@
@@ -41,8 +41,8 @@ install: $(BIN)/.kiln-installed
 lock: $(BIN)/uv
 	$(BIN)/uv pip compile -q --upgrade pyproject.toml --extra dev \
 		--python-version 3.11 --python-platform x86_64-unknown-linux-gnu \
-		--find-links $(TORCH_WHEELS) --custom-compile-command "make lock" -o requirements.lock
-	sed -i 's/^torch==\([^+]*\)+cpu$$/torch==\1/' requirements.lock
+		--find-links $(TORCH_WHEELS) --custom-compile-command "make lock" -o requirements.txt
+	sed -i 's/^torch==\([^+]*\)+cpu$$/torch==\1/' requirements.txt
 
 demo: install
 	$(BIN)/kiln prepare --demo

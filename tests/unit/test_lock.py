@@ -1,4 +1,4 @@
-"""The locked environment: requirements.lock pins what pyproject asks for, within its ranges.
+"""The locked environment: requirements.txt pins what pyproject asks for, within its ranges.
 
 `make install` installs the lock exactly and `make lock` rewrites it; these checks catch a
 pyproject edited without `make lock`, and a repository venv that has not been reinstalled since.
@@ -15,7 +15,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCK = ROOT / "requirements.lock"
+LOCK = ROOT / "requirements.txt"
 
 
 def _locked() -> dict[str, str]:
@@ -28,7 +28,7 @@ def _locked() -> dict[str, str]:
         req = Requirement(text)
         specs = list(req.specifier)
         assert len(specs) == 1 and specs[0].operator == "==" and not req.marker, (
-            f"requirements.lock: {line!r} is not an exact pin; run `make lock`"
+            f"requirements.txt: {line!r} is not an exact pin; run `make lock`"
         )
         pins[canonicalize_name(req.name)] = specs[0].version
     return pins
@@ -50,7 +50,7 @@ def test_lock_pins_every_dependency_within_pyproject_ranges():
             problems.append(f"{req.name} is not in the lock")
         elif not req.specifier.contains(pins[name], prereleases=True):
             problems.append(f"{req.name}=={pins[name]} is outside pyproject's {req}")
-    assert not problems, "requirements.lock is stale, run `make lock`: " + "; ".join(problems)
+    assert not problems, "requirements.txt is stale, run `make lock`: " + "; ".join(problems)
 
 
 def test_repository_venv_has_the_locked_versions():
@@ -68,6 +68,6 @@ def test_repository_venv_has_the_locked_versions():
         # `==` as the installer reads it: the lock's torch==2.13.0 matches the CPU build 2.13.0+cpu.
         if not SpecifierSet(f"=={version}").contains(installed, prereleases=True):
             problems.append(f"{name} {installed} installed, {version} locked")
-    assert not problems, ".venv differs from requirements.lock, run `make install`: " + "; ".join(
+    assert not problems, ".venv differs from requirements.txt, run `make install`: " + "; ".join(
         problems
     )
