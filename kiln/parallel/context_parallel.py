@@ -21,10 +21,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed import _functional_collectives
 from torch.distributed.device_mesh import DeviceMesh
 
 from kiln.model.parallel_plan import ParallelPlan
+
+# The differentiable all-gather along dim 0: torch 2.13 names it `all_gather_single_autograd`,
+# torch 2.11 `all_gather_tensor_autograd` (a feature check, not a version check).
+_all_gather_autograd = getattr(
+    _functional_collectives,
+    "all_gather_single_autograd",
+    getattr(_functional_collectives, "all_gather_tensor_autograd", None),
+)
 
 
 def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -64,7 +72,7 @@ class ContextParallel:
         rank's, in rank order, in one all-gather; the backward sums each rank's gradient back to
         its owner (reduce-scatter)."""
         both = torch.stack([k, v]).movedim(3, 0).contiguous()
-        gathered = all_gather_single_autograd(both, 0, self.group)
+        gathered = _all_gather_autograd(both, 0, self.group)
         return tuple(gathered.movedim(0, 3).unbind(0))
 
     @torch.no_grad()
