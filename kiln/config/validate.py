@@ -250,11 +250,6 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
                 p.append(
                     f"{key} ({value}) must be divisible by distributed.tp ({d.tp}) under tensor parallel; nearest: {_nearest_multiples(value, d.tp)}"
                 )
-    if d.tp > 1 and cfg.train.compile:
-        p.append(
-            "train.compile = true with distributed.tp > 1 is not supported yet (the compiled block's backward "
-            "fails under sequence parallel on torch 2.13); use compile with FSDP/HSDP, or tp without compile"
-        )
     return p + _context_parallel_problems(cfg) + expert_parallel_problems(cfg)
 
 
@@ -313,8 +308,10 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
     if t.compile and schedule in ("interleaved_zero_bubble", "zbv"):
         p.append(
             f"train.compile = true with pp_schedule = '{schedule}': zero-bubble schedules split each "
-            "backward into input and weight parts, which torch does not support for compiled "
-            "blocks; use interleaved_1f1b, or compile = false"
+            "backward into an input pass and a later weight pass over the same graph, while a compiled "
+            "block's backward is one node that computes both; torch refuses to run it twice (donated "
+            "buffers), and with those off the weight pass gives wrong gradients "
+            "(https://github.com/pytorch/pytorch/issues/161904); use interleaved_1f1b, or compile = false"
         )
     return p
 

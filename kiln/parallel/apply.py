@@ -19,6 +19,7 @@ from kiln.config.sections import JobConfig
 from kiln.model.transformer import Transformer
 from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
 from kiln.parallel.all_to_all_stats import AllToAllStats
+from kiln.parallel.compile import compile_blocks
 from kiln.parallel.context_parallel import ContextParallel, apply_context_parallel
 from kiln.parallel.expert_parallel import apply_expert_parallel
 from kiln.parallel.float8 import convert_to_float8
@@ -77,8 +78,7 @@ def apply_parallelism(
             apply_context_parallel(part, plan, context)
         apply_activation_checkpointing(part, plan, cfg.train.activation_checkpointing)
         if cfg.train.compile:
-            for block in getattr(part, plan.blocks).values():
-                block.compile()
+            compile_blocks(part, plan)
         if sharded:
             shard(part)
     return parts

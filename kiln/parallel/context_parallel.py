@@ -35,6 +35,20 @@ _all_gather_autograd = getattr(
 )
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: the all-gather's backward (a
+    reduce-scatter) needs one on torch 2.11 ("Expected input.is_contiguous()"), and the gradient
+    of the gathered keys and values arrives permuted (`movedim`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The positions cp rank `rank` holds of a sequence of `seq_len`: chunks `rank` and
     2·cp−1−`rank` of 2·cp equal chunks, in that order."""
@@ -72,7 +86,7 @@ class ContextParallel:
         rank's, in rank order, in one all-gather; the backward sums each rank's gradient back to
         its owner (reduce-scatter)."""
         both = torch.stack([k, v]).movedim(3, 0).contiguous()
-        gathered = _all_gather_autograd(both, 0, self.group)
+        gathered = _ContiguousGradient.apply(_all_gather_autograd(both, 0, self.group))
         return tuple(gathered.movedim(0, 3).unbind(0))
 
     @torch.no_grad()

@@ -145,16 +145,24 @@ def test_tensor_parallel_gathers_float8_and_matches_one_process(gangs, demo_data
 # float8 styles: its layers gather their inputs in fp32, then cast their shard of the rows) and
 # context parallel, whose ranks hold parts of each sequence. Under cp a tensorwise input scale is
 # each rank's own part's, so only rowwise (one scale per token) computes one process's numbers.
+# Compiled, Inductor fuses the scale computations, so the casts see last-bit differences too,
+# inside the same band (measured: 2.3e-7 in the loss, 2.3e-4 in a parameter's norm against the
+# eager tp=2 run).
 SEQUENCE_SPLITS = {
-    "tp=2, rowwise": ("--distributed.tp=2", "rowwise"),
-    "cp=2, rowwise": ("--distributed.cp=2", "rowwise"),
+    "tp=2, rowwise": (2, ("--distributed.tp=2",), "rowwise"),
+    "cp=2, rowwise": (2, ("--distributed.cp=2",), "rowwise"),
+    "tp=2, rowwise, compiled blocks": (
+        2,
+        ("--distributed.tp=2", "--train.compile=true"),
+        "rowwise",
+    ),
 }
 
 
 @pytest.mark.parametrize("layout", SEQUENCE_SPLITS, ids=list(SEQUENCE_SPLITS))
 def test_sequence_splitting_layouts_match_one_process(layout, runs):
-    split, recipe = SEQUENCE_SPLITS[layout]
-    got = records(runs(2, split, "--train.batch_size=8", *fp8(recipe)))
+    nproc, split, recipe = SEQUENCE_SPLITS[layout]
+    got = records(runs(nproc, *split, "--train.batch_size=8", *fp8(recipe)))
     assert_sequence_split_parity(got, records(runs(1, "--train.batch_size=8", *fp8(recipe))))
 
 

@@ -61,9 +61,17 @@ LAYOUTS = {
         ],
         WHOLE_BATCH,
     ),
-    "dp_shard=2, compiled blocks": (
-        2,
-        ["--distributed.dp_shard=2", "--train.batch_size=4", "--train.compile=true"],
+    # Compiled blocks under context, tensor + sequence parallel and FSDP (over the cp ranks)
+    # together, a dense block and an MoE block: one cold compile per kind of block covers every
+    # wrapper compile meets.
+    "cp=2 x tp=2, compiled blocks": (
+        4,
+        [
+            "--distributed.cp=2",
+            "--distributed.tp=2",
+            "--train.batch_size=8",
+            "--train.compile=true",
+        ],
         WHOLE_BATCH,
     ),
     **{

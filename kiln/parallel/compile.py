@@ -1,0 +1,39 @@
+"""Per-block torch.compile (docs/architecture.md, "The apply order").
+
+Each block is compiled on its own, after tensor/context parallel and activation checkpointing
+have wrapped it and before FSDP shards it, so every block of a kind shares one compiled graph
+and FSDP's gathers stay outside it. Under tensor parallel the modules around the blocks (the
+vocabulary-split embedding) hand the residual stream on as the `AsyncCollectiveTensor` of their
+asynchronous reduce-scatter. A compiled graph that takes one as input returns its gradient as a
+plain tensor where DTensor's backward expects a DTensor, and the backward fails with
+"'Tensor' object has no attribute '_local_tensor'" (torch 2.11-2.13; async collective tensors at
+graph boundaries: https://github.com/pytorch/pytorch/issues/180614), so their outputs are
+waited for before they reach a compiled block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from kiln.model.parallel_plan import ParallelPlan
+
+
+def compile_blocks(model: nn.Module, plan: ParallelPlan) -> None:
+    """Compile each of `model`'s blocks, and make the modules that feed them hand on plain tensors."""
+    blocks = getattr(model, plan.blocks)
+    for name, child in model.named_children():
+        if child is not blocks and child is not None:
+            child.register_forward_hook(_settle_async_output)
+    for block in blocks.values():
+        block.compile()
+
+
+def _settle_async_output(module: nn.Module, inputs: object, output: object) -> object:
+    # Any op other than a view waits for the collective and returns a plain tensor that keeps its
+    # place in the autograd graph (`AsyncCollectiveTensor.wait()` would drop it); the copy is of
+    # one sequence-sharded activation, once a step.
+    if isinstance(output, AsyncCollectiveTensor):
+        return torch.clone(output)
+    return output
