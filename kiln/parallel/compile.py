@@ -23,8 +23,8 @@ from kiln.model.parallel_plan import ParallelPlan
 def compile_blocks(model: nn.Module, plan: ParallelPlan) -> None:
     """Compile each of `model`'s blocks, and make the modules that feed them hand on plain tensors."""
     blocks = getattr(model, plan.blocks)
-    for name, child in model.named_children():
-        if child is not blocks and child is not None:
+    for child in model.children():
+        if child is not blocks:
             child.register_forward_hook(_settle_async_output)
     for block in blocks.values():
         block.compile()
