@@ -315,6 +315,7 @@ def main_run(args: argparse.Namespace) -> dict:
 
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="kiln-sbs-"))
+    print(f"runs and their logs in {work}", flush=True)
     if not (REPO / args.data / "index.json").exists():  # built once, before any clock runs
         subprocess.run(
             [sys.executable, "-m", "kiln", "prepare", "--demo", "--output", args.data],
@@ -329,6 +330,7 @@ def main_run(args: argparse.Namespace) -> dict:
     results = {
         "device": device,
         "torchtitan": titan,
+        "work_dir": str(work),
         "settings": vars(args),
         "variants": [],
     }
