@@ -87,13 +87,15 @@ class ForwardBackward:
         phase = "pipeline forward-backward" if scale is not None else "pipeline forward"
         with self.loss_context(), self.autocast, record_function(phase):
             # Keyword arguments reach every stage (split into micro-batches like the inputs), so
-            # each stage builds the attention mask from what every rank has read.
+            # each stage builds the attention mask from what every rank has read. Contiguous:
+            # torch 2.11's first stage checks each micro-batch's strides against those it
+            # inferred, and the loader's inputs are views of rows one token longer.
             run(
-                *((inputs,) if self.first_stage else ()),
+                *((inputs.contiguous(),) if self.first_stage else ()),
                 target=labels,
                 losses=losses,
                 return_outputs=False,
-                **kwargs,
+                **{name: value.contiguous() for name, value in kwargs.items()},
             )
         if not losses:
             return torch.zeros(labels.shape[:1] if self.per_row else (), device=self.device)

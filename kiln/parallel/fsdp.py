@@ -59,7 +59,7 @@ def apply_fsdp(
             elif path in sequence_units:
                 _shard_sequence_unit(unit, sequence_mesh, mesh, policy, reshard, experts=is_experts)
             elif mesh is not None:
-                placement = _within_experts(mesh.size(-1)) if is_experts else None
+                placement = _within_experts(_shard_ranks(mesh)) if is_experts else None
                 fully_shard(
                     unit,
                     mesh=mesh,
@@ -74,6 +74,12 @@ def apply_fsdp(
     # The chunked loss relies on it: it applies the gathered head after the model's forward.
     if mesh is not None:
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def _shard_ranks(mesh: DeviceMesh) -> int:
+    """The ranks a parameter is sharded over: the mesh's last dimension (HSDP replicates over the
+    first). Indexed from the front: torch 2.11's `DeviceMesh.size` takes no negative dimension."""
+    return mesh.size(mesh.ndim - 1)
 
 
 def _expert_modules(block: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
@@ -116,9 +122,11 @@ def _shard_sequence_unit(
         mesh=sequence_mesh,
         mp_policy=unit_policy,
         reshard_after_forward=reshard,
-        shard_placement_fn=_within_experts(sequence_mesh.size(-1)) if experts else None,
+        shard_placement_fn=_within_experts(_shard_ranks(sequence_mesh)) if experts else None,
     )
-    _sum_gradients(unit, gradient_average_compensation(mesh), shard_ranks=sequence_mesh.size(-1))
+    _sum_gradients(
+        unit, gradient_average_compensation(mesh), shard_ranks=_shard_ranks(sequence_mesh)
+    )
 
 
 def _sum_gradients(unit: FSDPModule, loss_scale: int, *, shard_ranks: int) -> None:
