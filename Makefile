@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install lock demo test lint format clean
+.PHONY: install lock demo test test-gpu lint format clean
 
 # The environment is locked: requirements.txt pins every package at an exact version, so CI, a
 # user and the next developer install the same ones. `make lock` refreshes it; `pip install .`
@@ -58,6 +58,13 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
 test: install lint
 	$(PYTEST) -m gang tests/distributed
 	OMP_NUM_THREADS=1 $(PYTEST) -m "not gang" -n 2 --dist worksteal
+
+# The GPU suite (tests/gpu; docs/architecture.md, "CPU and CUDA"): about 6 minutes on one H100,
+# every test skipped, with its reason (-rs lists them), without a GPU. A GPU machine may have no .venv: then the
+# system's python3 runs it, or name one, `make test-gpu PYTHON_FOR_TESTS=python3.12`.
+PYTHON_FOR_TESTS ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+test-gpu:
+	PYTHONDONTWRITEBYTECODE= $(PYTHON_FOR_TESTS) -m pytest -q -rs -m gpu tests/gpu
 
 lint: install
 	$(BIN)/ruff check .
