@@ -66,6 +66,9 @@ class ForwardBackward:
             with self.autocast, record_function("forward"):
                 output = self.model_parts[0](inputs, **kwargs)
                 losses = self.loss_fn(output, labels)
+            # The backward needs what the loss saved, not the logits: holding them would keep a
+            # logits-sized buffer alive through the backward's peak.
+            del output
             if scale is not None:
                 with record_function("backward"):
                     (losses.sum() * scale).backward()
