@@ -78,7 +78,7 @@ def apply_parallelism(
             apply_context_parallel(part, plan, context)
         apply_activation_checkpointing(part, plan, cfg.train.activation_checkpointing)
         if cfg.train.compile:
-            compile_blocks(part, plan)
+            compile_blocks(part, plan, communicating=degrees["tp"] > 1 or degrees["cp"] > 1)
         if sharded:
             shard(part)
     return parts

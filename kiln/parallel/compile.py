@@ -9,6 +9,14 @@ plain tensor where DTensor's backward expects a DTensor, and the backward fails 
 "'Tensor' object has no attribute '_local_tensor'" (torch 2.11-2.13; async collective tensors at
 graph boundaries: https://github.com/pytorch/pytorch/issues/180614), so their outputs are
 waited for before they reach a compiled block.
+
+Blocks that communicate (tensor or context parallel) name their process groups inside the compiled
+graph, while AOTAutograd's on-disk cache keys a DTensor graph by the mesh's shape, not by this rank's
+groups: with several tp (or cp) groups on one machine, a rank loads a graph another rank compiled
+and fails with "Could not resolve the process group registered under the name N" (reproduced: the
+second run of dp_shard=2 × tp=2 on one machine's warm cache;
+https://github.com/pytorch/pytorch/issues/188390, fixed only for ranks on distinct GPUs). Those
+runs skip that cache; Inductor's own cache, whose key holds the group names, still serves them.
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from kiln.model.parallel_plan import ParallelPlan
 
 
-def compile_blocks(model: nn.Module, plan: ParallelPlan) -> None:
-    """Compile each of `model`'s blocks, and make the modules that feed them hand on plain tensors."""
+def compile_blocks(model: nn.Module, plan: ParallelPlan, *, communicating: bool) -> None:
+    """Compile each of `model`'s blocks, and make the modules that feed them hand on plain tensors;
+    `communicating`: the blocks hold tensor- or context-parallel collectives."""
+    if communicating:
+        torch._functorch.config.enable_autograd_cache = False
     blocks = getattr(model, plan.blocks)
     for child in model.children():
         if child is not blocks:

@@ -163,6 +163,21 @@ def test_moe_layout_matches_one_process(layout, runs):
     assert len([k for k in expected[1] if k.startswith("moe/load/")]) == len(layers)
 
 
+def test_compiled_layout_runs_again_on_its_warm_compile_cache(runs, train, tmp_path):
+    """The same compiled cp=2 x tp=2 job again, on the Inductor cache the first run filled: with
+    two tp groups (and two cp groups) on this machine, AOTAutograd's cache would hand one group's
+    ranks the graph the other's compiled, naming a process group they do not have (kiln turns it
+    off for such blocks, kiln/parallel/compile.py). Exactly the first run's numbers: the same
+    compiled code, data and collectives, in the same order."""
+    nproc, overrides, _ = LAYOUTS["cp=2 x tp=2, compiled blocks"]
+    first = records(runs(nproc, *overrides, *MOE))
+    again = tmp_path / "again"
+    train(again, nproc, *overrides, *MOE)
+    for step, record in records(again).items():
+        for key in ("loss", "grad_norm", "param_grad_norms"):
+            assert record[key] == first[step][key], (step, key)
+
+
 def test_pipeline_shape_inference_counts_no_tokens(runs, demo_data):
     """torch 2.13's schedules learn the shapes between stages by running each stage's forward
     once with gradients on: at the first step and again after each switch from eval back to
