@@ -3,7 +3,10 @@
 Both sides train the same model (kiln's Transformer, same init) on the same batch shape with the
 same thread count: forward, token cross entropy, backward, gradient clipping, AdamW (foreach).
 The kiln side is `Trainer.train_step` as `kiln train` runs it (memory-mapped data, valid-token
-normalization, LR schedule); the baseline reads a batch already in memory.
+normalization, LR schedule); the baseline reads a batch already in memory. The difference of
+the two medians is kiln's fixed cost per step; a model too small to compute much (the TINY
+overrides in benchmarks/overhead.md) shows it alone. --profile also counts the Python calls of
+each side per step and lists where kiln's own time goes (cProfile, after the timed repeats).
 
     python benchmarks/overhead.py --steps 30 --repeats 7 [--config RECIPE] [--section.key=value ...]
 """
@@ -11,6 +14,9 @@ normalization, LR schedule); the baseline reads a batch already in memory.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import tempfile
 import time
@@ -28,6 +34,21 @@ def time_steps(step_fn, steps: int) -> float:
     for _ in range(steps):
         step_fn()
     return (time.perf_counter() - start) / steps
+
+
+def profile_steps(step_fn, steps: int, top: int = 0) -> str:
+    """Python calls per step under cProfile, and the `top` functions by their own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step_fn()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    out.write(f"{stats.total_calls / steps:,.0f} Python calls per step\n")
+    if top:
+        stats.sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def baseline_step_fn(cfg, batch: torch.Tensor):
@@ -56,6 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per repeat")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--profile", action="store_true", help="also cProfile both sides")
     args, overrides = parser.parse_known_args()  # the rest: --section.key=value for both sides
     args.overrides = overrides
 
@@ -90,7 +112,12 @@ def main() -> None:
         print(
             f"| {name} | {ms:.2f} | {1e3 * min(times):.2f} | {1e3 * max(times):.2f} | {tokens / ms * 1e3:,.0f} |"
         )
-    print(f"\nkiln / hand-written = {kiln_ms / base_ms:.3f}x")
+    print(
+        f"\nkiln / hand-written = {kiln_ms / base_ms:.3f}x, kiln's fixed cost {kiln_ms - base_ms:.2f} ms/step"
+    )
+    if args.profile:
+        print("\nhand-written:", profile_steps(baseline, args.steps))
+        print("kiln:", profile_steps(trainer.train_step, args.steps, top=25))
 
 
 if __name__ == "__main__":

@@ -136,7 +136,9 @@ class TrainStep:
         self.nan_injection.start_step(step)
         if self.expert_parallel is not None:
             self.expert_parallel.start()
-        read = [(x.to(self.device), y.to(self.device)) for x, y in batch.micro_batches]
+        read = [
+            (to_device(x, self.device), to_device(y, self.device)) for x, y in batch.micro_batches
+        ]
         micro_batches = [self._prepare(inputs, labels) for inputs, labels in read]
         # This rank's valid tokens, summed over the ranks holding the others (data and cp);
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
@@ -168,7 +170,12 @@ class TrainStep:
         # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
         loss = sum_over(sum_over(total, self.pipeline_group), self.parallel.data_group()) / valid
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        agreed = any_rank({"non_finite": ~finite, **flags}, device=self.device)
+        if self.parallel.world_size == 1:
+            # Nothing to agree on: the host flags stay on the host (each would be a copy to the
+            # GPU that waits for it) and the one read of `finite` is the step's one wait.
+            agreed = {"non_finite": not bool(finite)} | {k: bool(v) for k, v in flags.items()}
+        else:
+            agreed = any_rank({"non_finite": ~finite, **flags}, device=self.device)
         lr = self._update(step, skip=agreed["non_finite"])
         if self.moe:
             self._end_moe_step(skipped=agreed["non_finite"])
@@ -321,6 +328,24 @@ class TrainStep:
         if self.context is None:
             return inputs, labels, kwargs
         return self.context.shard_batch(inputs, labels, kwargs)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, queued behind the device's work instead of waiting for it.
+
+    A blocking copy to a GPU waits for every kernel already queued (the previous step's
+    optimizer), and the GPU then idles until the host queues the next forward; a non-blocking
+    one from pageable memory may wait too (CUDA stages it through page-locked memory). From
+    page-locked, contiguous memory it is queued like a kernel. The loader's page-locked batch is
+    sliced into inputs that are not contiguous: those are gathered into page-locked memory of
+    their own first (a host copy of a few kilobytes), which the caching host allocator keeps
+    until the copy has run."""
+    if tensor.device == device or device.type == "cpu":
+        return tensor.to(device)
+    if tensor.is_pinned() and not tensor.is_contiguous():
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        tensor = pinned.copy_(tensor)
+    return tensor.to(device, non_blocking=tensor.is_pinned())
 
 
 def _sum_over(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
