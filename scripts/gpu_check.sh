@@ -97,6 +97,10 @@ def version(name):
     try:
         module = __import__(name)
         return getattr(module, "__version__", "?")
+    except ModuleNotFoundError as error:
+        if error.name == name:
+            return "not installed"
+        return f"not importable ({error})"
     except Exception as error:  # an import that fails is a finding, not a crash
         return f"not importable ({type(error).__name__}: {error})"
 
