@@ -104,7 +104,7 @@ def worker(seq: int, steps: int) -> None:
         # (batch, 1, local seq, seq): SDPA's float copy of kiln's bool mask; (batch, kv heads,
         # seq, head_dim): a view of a layer's gathered K/V (cp > 1 only: cp=1 has no mask).
         shape = tuple(t.shape[2:]) if cp > 1 and t.dim() == 4 else ()
-        kind = {(seq // cp, seq): "mask", (seq, cfg.model.head_dim): "kv"}.get(shape, "other")
+        kind = {(seq // cp, seq): "mask", (seq, cfg.model.resolved_head_dim): "kv"}.get(shape, "other")
         saved[storage.data_ptr()] = (storage.nbytes(), kind)
         return t
 
@@ -204,7 +204,7 @@ def report(results: dict[int, list[dict]], seq: int) -> None:
         fsdp = [col.get(f"c10d::_{op}_base_", [0, 0])[1] for op in ("allgather", "reduce_scatter")]
         # From the shapes: per layer per forward one (seq, 2, batch, kv heads, head_dim) fp32
         # tensor is gathered; the backward reduce-scatters one of the same size.
-        computed = m.n_layers * 2 * 1 * m.n_kv_heads * seq * m.head_dim * 4
+        computed = m.n_layers * 2 * 1 * m.n_kv_heads * seq * m.resolved_head_dim * 4
         formula = m.n_layers * gathered_kv_bytes(cfg, {"cp": cp, "tp": 1, "pp": 1}) * 2  # fp32
         same = all(r["collectives"] == col for r in ranks)  # every rank moved the same
         match = "yes" if same and ag == rs == [m.n_layers, computed] else "NO"

@@ -66,7 +66,7 @@ def bench_seq(cfg: ModelConfig, args: argparse.Namespace, seq: int) -> dict[str,
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layer = Attention(cfg).to(device=device, dtype=dtype)
-    cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
+    cos, sin = rope_tables(cfg.resolved_head_dim, seq, cfg.rope_theta, device)
     gen = torch.Generator().manual_seed(0)
     ids = document_ids(packed_tokens(args.batch, seq, args.doc_len, gen), EOS).to(device)
     x = torch.randn(args.batch, seq, cfg.dim, generator=gen).to(device=device, dtype=dtype)

@@ -161,7 +161,7 @@ class BlockStack(nn.Module):
     def __init__(self, cfg: ModelConfig, seq: int, device: torch.device):
         super().__init__()
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
+        cos, sin = rope_tables(cfg.resolved_head_dim, seq, cfg.rope_theta, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -143,7 +143,7 @@ def fit_layers(total_bytes: float, batch: int, seq: int) -> int:
 def gemm_shapes(m, tokens: int) -> list[tuple[int, int, int, int, bool]]:
     """(M, K, N, count per step, float8) of every matmul of a step: each linear layer's forward,
     input gradient and weight gradient; the output head stays high precision under FP8."""
-    hd, ffn = m.head_dim, m.ffn_hidden_dim
+    hd, ffn = m.resolved_head_dim, m.ffn_hidden_dim
     linears = [
         (m.dim, m.n_heads * hd),
         (m.dim, m.n_kv_heads * hd),

@@ -102,12 +102,6 @@ def base_problems(hf: dict[str, Any]) -> list[str]:
         problems.append("attention_bias = true (kiln's attention has no biases)")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (kiln uses silu)")
-    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, head_dim):
-        problems.append(
-            f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads = {head_dim} "
-            "(kiln's head dim is always dim / n_heads)"
-        )
     return problems
 
 
@@ -125,6 +119,7 @@ def base_fields(hf: dict[str, Any], *, rope_theta: float, norm_eps: float) -> di
         n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=_explicit_head_dim(hf),
         vocab_size=hf["vocab_size"],
         norm_eps=float(hf.get("rms_norm_eps", norm_eps)),
         rope_theta=float(rope.get("rope_theta", rope_theta)),
@@ -133,6 +128,13 @@ def base_fields(hf: dict[str, Any], *, rope_theta: float, norm_eps: float) -> di
         init_std=float(hf.get("initializer_range", 0.02)),
         **scaling,
     )
+
+
+def _explicit_head_dim(hf: dict[str, Any]) -> int:
+    """kiln's head_dim key: 0 where config.json's head_dim is hidden_size / num_attention_heads
+    (or absent), so that the converted config reads like a hand-written one."""
+    derived = hf["hidden_size"] // hf["num_attention_heads"]
+    return 0 if hf.get("head_dim") in (None, derived) else int(hf["head_dim"])
 
 
 def base_hf_config(
@@ -148,7 +150,7 @@ def base_hf_config(
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
+        "head_dim": cfg.resolved_head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "initializer_range": cfg.init_std,

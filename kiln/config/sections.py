@@ -13,6 +13,9 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 8
     n_kv_heads: int = 4
+    # Width of one attention head (0: dim / n_heads). Qwen3 decouples it: 32 heads of 128 on
+    # dim 2048 make queries 4096 wide.
+    head_dim: int = 0
     vocab_size: int = 4096
     ffn_hidden_dim: int = 768
     norm_eps: float = 1e-5
@@ -59,8 +62,9 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def resolved_head_dim(self) -> int:
+        """The width of one attention head: `head_dim`, or dim / n_heads when it is 0."""
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def expert_hidden_dim(self) -> int:

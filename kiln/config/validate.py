@@ -88,10 +88,18 @@ def _model_problems(cfg: JobConfig) -> list[str]:
         p.append(
             f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads}): pick n_kv_heads among the divisors of n_heads"
         )
-    if m.n_heads > 0 and m.dim % m.n_heads:
-        p.append(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
-    elif m.n_heads > 0 and m.head_dim % 2:
-        p.append(f"head dim dim/n_heads = {m.head_dim} must be even for rotary embeddings")
+    if m.head_dim < 0:
+        p.append(f"model.head_dim must be positive (or 0: dim / n_heads), got {m.head_dim}")
+    elif m.head_dim == 0 and m.n_heads > 0 and m.dim % m.n_heads:
+        p.append(
+            f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}), or set "
+            "model.head_dim to the width of one head"
+        )
+    elif m.n_heads > 0 and m.resolved_head_dim % 2:
+        p.append(
+            f"model.head_dim ({m.resolved_head_dim}{'' if m.head_dim else ' = dim / n_heads'}) "
+            "must be even for rotary embeddings"
+        )
     for name in ("norm_eps", "rope_theta", "init_std"):
         if getattr(m, name) <= 0:
             p.append(f"model.{name} must be positive, got {getattr(m, name)}")
@@ -236,7 +244,8 @@ def _layout_problems(cfg: JobConfig, world_size: int) -> list[str]:
     if heads and heads % d.tp:
         valid = [t for t in range(1, heads + 1) if heads % t == 0]
         p.append(
-            f"distributed.tp ({d.tp}) must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}); "
+            f"distributed.tp ({d.tp}) must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}): "
+            f"each tp rank computes whole heads of {m.resolved_head_dim}; "
             f"valid tp: {', '.join(map(str, valid))}"
         )
     if d.tp > 1:

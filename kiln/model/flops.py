@@ -23,7 +23,7 @@ class ParamCount:
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:
-    d, hd = cfg.dim, cfg.head_dim
+    d, hd = cfg.dim, cfg.resolved_head_dim
     attention = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
     dense_mlp = 3 * d * cfg.ffn_hidden_dim
     norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
@@ -60,4 +60,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     Attention scores and values cost 12·L·S·D per token without a mask; causal halves that.
     The embedding lookup is a gather, not a matmul, and is not counted.
     """
-    return 6 * count_params(cfg).matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return (
+        6 * count_params(cfg).matmul
+        + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+    )

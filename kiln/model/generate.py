@@ -45,7 +45,7 @@ def generate(
         n_layers=cfg.n_layers,
         batch=1,
         n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
+        head_dim=cfg.resolved_head_dim,
         max_len=len(prompt_ids) + n_new - 1,
         device=param.device,
         dtype=_activation_dtype(param),

@@ -46,7 +46,9 @@ def model_rope_tables(
         if cfg.rope_scaling == "llama3"
         else None
     )
-    return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)
+    return rope_tables(
+        cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling
+    )
 
 
 def rope_tables(

@@ -45,7 +45,7 @@ def proxy_config(
     m.preset = ""
     m.n_layers = 2 * num_stages(cfg.distributed)
     proxy.distributed.pp_layers_per_stage = []
-    m.dim = 16 * m.n_heads
+    m.dim, m.head_dim = 16 * m.n_heads, 0
     m.ffn_hidden_dim = 4 * m.dim
     # 64 tokens, or as few as context parallel can split into 2·cp chunks and those over tp.
     d = cfg.distributed

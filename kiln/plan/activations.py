@@ -58,9 +58,10 @@ KILN = Implementation()
 
 def attention_bytes_per_token(m: ModelConfig, tp: int = 1, *, sp: bool = True) -> float:
     """Bytes the attention half of a block (its norm included) keeps for one token."""
-    kv_dim = m.n_kv_heads * m.head_dim
+    q_dim, kv_dim = m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
     norm_input = 2 * m.dim + RSTD_BYTES
-    split = 2 * m.dim + 4 * kv_dim + 2 * m.dim + LSE_BYTES * m.n_heads
+    # Queries, keys and values, then the attention output that wo takes (as wide as the queries).
+    split = 2 * q_dim + 4 * kv_dim + 2 * q_dim + LSE_BYTES * m.n_heads
     return (norm_input / tp if sp else norm_input) + 2 * m.dim + split / tp
 
 
@@ -122,7 +123,7 @@ def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
         return 0.0
     m, t = cfg.model, cfg.train
     sequences = t.batch_size / pipeline_microbatches(cfg, degrees)
-    return 2 * 2 * sequences * t.seq_len * m.n_kv_heads / degrees["tp"] * m.head_dim
+    return 2 * 2 * sequences * t.seq_len * m.n_kv_heads / degrees["tp"] * m.resolved_head_dim
 
 
 def pipeline_microbatches(cfg: JobConfig, degrees: dict[str, int]) -> int:

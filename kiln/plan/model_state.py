@@ -46,7 +46,7 @@ def muon_matrix_params(m: ModelConfig) -> int:
     the output head, i.e. all but those and the norms' gains (the only vectors)."""
     params = model_facts.params(m)
     head = 0 if m.tie_embeddings else params.embedding
-    norms = m.n_layers * (2 * m.dim + (2 * m.head_dim if m.qk_norm else 0)) + m.dim
+    norms = m.n_layers * (2 * m.dim + (2 * m.resolved_head_dim if m.qk_norm else 0)) + m.dim
     return params.total - params.embedding - head - norms
 
 

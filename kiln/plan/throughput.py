@@ -160,7 +160,7 @@ def cp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> flo
         return 0.0
     m = cfg.model
     layers = math.ceil(m.n_layers / degrees["pp"])
-    kv = 2 * m.n_kv_heads * m.head_dim / degrees["tp"]
+    kv = 2 * m.n_kv_heads * m.resolved_head_dim / degrees["tp"]
     whole = 2 * kv * microbatch_tokens(cfg, degrees) * degrees["cp"]
     size = whole * ring_share(degrees["cp"]) * layers * layer_passes(cfg, degrees)
     return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "cp"))

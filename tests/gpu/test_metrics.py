@@ -30,7 +30,7 @@ def honest_flops_per_token(model: nn.Module, seq_len: int) -> float:
     matmul = sum(
         p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "tok_embed" not in name
     )
-    return 6 * matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6 * matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
 
 
 @pytest.mark.cuda_only("kiln logs mfu and peak_mem_gb as null on the CPU")

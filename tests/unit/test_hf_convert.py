@@ -357,7 +357,6 @@ def _shard(hf_dir: Path) -> None:
         ),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"head_dim": 32}, "head_dim 32"),
     ],
 )
 def test_unsupported_hf_configs_are_refused(hf_dir, tmp_path, change, message):

@@ -281,8 +281,6 @@ def test_unsupported_moe_family_is_one_clear_error(tmp_path, capsys, config_clas
         ("qwen3", {"mlp_only_layers": [0, 1, 2]}, "no MoE block"),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window = 16"),
         ("mixtral", {"sliding_window": 64}, "sliding_window = 64"),
-        # Qwen3-30B-A3B and 235B-A22B have a head dim of 128 with fewer than dim / 128 heads.
-        ("qwen3", {"head_dim": 32}, "head_dim 32"),
         ("mixtral", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ],
 )

@@ -40,7 +40,7 @@ def test_fine_grained_preset_routes_like_deepseek_v3():
 
 def test_qwen3_like_preset_keeps_the_released_head_and_kv_shape():
     m = preset("qwen3_moe_30b_a3b_like").model
-    assert (m.head_dim, m.n_kv_heads * m.head_dim, m.qk_norm) == (128, 512, True)
+    assert (m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim, m.qk_norm) == (128, 512, True)
 
 
 def test_moe_flops_per_token_equal_a_dense_model_with_the_same_active_parameters():
@@ -59,7 +59,7 @@ def test_moe_flops_per_token_equal_a_dense_model_with_the_same_active_parameters
 def test_mixtral_flops_per_token_count_two_of_eight_experts():
     m = preset("mixtral_8x7b").model
     counts = count_params(m)
-    attention = 6 * m.n_layers * 4096 * m.n_heads * m.head_dim
+    attention = 6 * m.n_layers * 4096 * m.n_heads * m.resolved_head_dim
     norms = (2 * m.n_layers + 1) * m.dim
     # 6 × the active parameters but the embedding (a lookup) and the norm weights, + attention.
     assert flops_per_token(m, 4096) == 6 * (counts.active - counts.embedding - norms) + attention
