@@ -6,8 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# The model families kiln builds (kiln/model/registry.py maps each to its folder; docs/models.md).
+# Llama covers Llama 3.x, Qwen3 dense, Mixtral and Qwen3-MoE: they differ by keys.
+MODEL_FAMILIES = ("llama",)
+
+
 @dataclass
 class ModelConfig:
+    # Which family's modules, parallel plan and Hugging Face adapters build the model.
+    family: str = "llama"
     preset: str = ""
     dim: int = 256
     n_layers: int = 4

@@ -11,7 +11,7 @@ from kiln.config.pipeline import (
     microbatches,
     num_stages,
 )
-from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
+from kiln.config.sections import MODEL_FAMILIES, DistributedConfig, JobConfig, ModelConfig
 from kiln.config.validate_eval import eval_task_problems
 from kiln.config.validate_float8 import float8_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
@@ -20,6 +20,7 @@ from kiln.config.validate_optimizer import OPTIMIZERS, optimizer_problems
 from kiln.errors import ConfigError
 
 CHOICES = {
+    "model.family": MODEL_FAMILIES,
     "train.mixed_precision": ("bf16", "fp32", "fp8"),
     "train.activation_checkpointing": ("none", "full", "selective"),
     "train.loss": ("cross_entropy", "chunked_cross_entropy"),
