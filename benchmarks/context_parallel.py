@@ -104,7 +104,9 @@ def worker(seq: int, steps: int) -> None:
         # (batch, 1, local seq, seq): SDPA's float copy of kiln's bool mask; (batch, kv heads,
         # seq, head_dim): a view of a layer's gathered K/V (cp > 1 only: cp=1 has no mask).
         shape = tuple(t.shape[2:]) if cp > 1 and t.dim() == 4 else ()
-        kind = {(seq // cp, seq): "mask", (seq, cfg.model.resolved_head_dim): "kv"}.get(shape, "other")
+        kind = {(seq // cp, seq): "mask", (seq, cfg.model.resolved_head_dim): "kv"}.get(
+            shape, "other"
+        )
         saved[storage.data_ptr()] = (storage.nbytes(), kind)
         return t
 

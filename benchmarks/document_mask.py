@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from kiln.config import ModelConfig
-from kiln.model.attention import Attention
 from kiln.model.document_mask import build_document_mask, document_ids
+from kiln.model.llama.attention import Attention
 from kiln.model.rope import rope_tables
 
 EOS = 0

@@ -32,11 +32,11 @@ from torch import nn
 from kiln.config import JobConfig, ModelConfig
 from kiln.config.sections import Float8Config, TrainConfig
 from kiln.model import build_model, materialize
-from kiln.model.attention import Attention
 from kiln.model.feed_forward import FeedForward
-from kiln.model.parallel_plan import llama_plan
+from kiln.model.llama.attention import Attention
+from kiln.model.llama.model import Block
+from kiln.model.llama.plan import llama_plan
 from kiln.model.rope import rope_tables
-from kiln.model.transformer import Block
 from kiln.parallel.float8 import convert_to_float8
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def layer_case(name: str, seed: int) -> tuple[nn.Module, Callable, torch.Tensor]
         return model, lambda m, x: m(x), torch.randint(cfg.vocab_size, (BATCH, SEQ), generator=gen)
     x = torch.randn(BATCH, SEQ, LAYER.dim, generator=gen).bfloat16()
     if name == "attention":
-        cos, sin = rope_tables(LAYER.head_dim, SEQ, 10000.0, "cpu")
+        cos, sin = rope_tables(LAYER.resolved_head_dim, SEQ, 10000.0, "cpu")
         return Attention(LAYER).bfloat16(), lambda m, x: m(x, cos, sin), x
     return FeedForward(LAYER.dim, LAYER.ffn_hidden_dim).bfloat16(), lambda m, x: m(x), x
 

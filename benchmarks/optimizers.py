@@ -59,6 +59,8 @@ MODELS = {
 SINGLE_ARMS = ("adamw", "lion", "schedule_free_adamw", "muon", "muon_fp32")
 RANK_ARMS = ("adamw", "muon_owner", "muon_every", "muon_owner_fp32", "muon_every_fp32")
 MARK = "RESULT "
+# The Llama family's embeddings, final norm and head: Muon leaves them to AdamW.
+IO_MODULES = ("tok_embeddings", "norm", "output")
 
 
 def load() -> float:
@@ -102,7 +104,7 @@ def arm_optimizers(model, cfg, arm: str) -> list:
     owner = True if "_owner" in arm else False if "_every" in arm else None
     ns_dtype = torch.float32 if arm.endswith("_fp32") else torch.bfloat16
     settings = dataclasses.replace(cfg.optimizer, name=name, owner_compute=owner)
-    return build_optimizer(model, settings, ns_dtype=ns_dtype)
+    return build_optimizer(model, settings, ns_dtype=ns_dtype, io_modules=IO_MODULES)
 
 
 def step(optimizers: list, *, ns_steps: int | None = None) -> None:
@@ -140,7 +142,7 @@ def muon_shapes(model) -> dict[tuple[int, int], int]:
     from kiln.train.optimizer import build_optimizer
 
     shapes: dict[tuple[int, int], int] = {}
-    for optimizer in build_optimizer(model, OptimizerConfig(name="muon")):
+    for optimizer in build_optimizer(model, OptimizerConfig(name="muon"), io_modules=IO_MODULES):
         if isinstance(optimizer, Muon):
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -291,7 +293,7 @@ def newton_schulz_only(model, repeats: int, world: int, barrier) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     matrices = [
         torch.randn(p.shape, generator=generator)
-        for optimizer in build_optimizer(model, OptimizerConfig(name="muon"))
+        for optimizer in build_optimizer(model, OptimizerConfig(name="muon"), io_modules=IO_MODULES)
         if isinstance(optimizer, Muon)
         for group in optimizer.param_groups
         for p in group["params"]

@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from kiln.config import ModelConfig, load_config
 from kiln.model import build_model
 from kiln.model import init as tiled
-from kiln.model.transformer import canonical_name
+from kiln.model.names import canonical_name
 
 # kiln/parallel/tensor_parallel.py: column-parallel weights and the vocabulary-split embedding are
 # Shard(0) on tp, row-parallel weights Shard(1). FSDP2 then shards dim 0 of each tp shard over

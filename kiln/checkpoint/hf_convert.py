@@ -1,5 +1,5 @@
-"""Convert between Hugging Face checkpoints (safetensors) and kiln checkpoints: Llama, and the
-Mixture-of-Experts families Mixtral and Qwen3-MoE (hf_moe.py).
+"""Convert between Hugging Face checkpoints (safetensors) and kiln checkpoints, through the
+adapters of the model families (kiln/model/registry.py: Llama, Qwen3, Mixtral, Qwen3-MoE).
 
 Deliberately free of `transformers` (an optional extra): configs are read and written as JSON and
 weights through safetensors, one tensor at a time, so converting a large model never holds two
@@ -20,25 +20,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, save_checkpoint
-from kiln.checkpoint.hf_llama import llama_config_from_hf, llama_hf_config
-from kiln.checkpoint.hf_moe import (
-    FAMILIES,
-    SUPPORTED,
-    check_expert_biases,
-    export_family,
-    looks_like_moe,
-    moe_config_from_hf,
-    moe_export_names,
-    moe_hf_config,
-    moe_import_names,
-    unsupported_moe_error,
-)
-from kiln.checkpoint.hf_names import NameMap, model_names
 from kiln.checkpoint.hf_tensors import check_keys, export_tensors, load_tensors
 from kiln.checkpoint.layout import find_tokenizer, resolve_checkpoint
 from kiln.config import JobConfig, ModelConfig, read_toml
 from kiln.errors import KilnError
-from kiln.model.transformer import Transformer, build_model, materialize
+from kiln.model.build import build_model, materialize
+from kiln.model.registry import family_of, hf_adapter_for, model_config_from_hf
 from kiln.tokens import BOS_CANDIDATES, EOS_CANDIDATES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,18 +42,16 @@ _SIZE_UNITS = {
 
 
 def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Convert a Hugging Face folder (config.json + safetensors) of a Llama, Mixtral or
-    Qwen3-MoE model into a kiln checkpoint at step 0 under `out_dir`; return the step folder.
-    MoE routers start with zero expert_bias: the Hugging Face ones have none."""
+    """Convert a Hugging Face folder (config.json + safetensors) of an architecture a family
+    converts into a kiln checkpoint at step 0 under `out_dir`; return the step folder. MoE
+    routers start with zero expert_bias: the Hugging Face ones have none."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     _require_empty(out_dir)
     hf = _read_json(hf_dir / "config.json")
     cfg = model_config_from_hf(hf)
     tensor_files = _tensor_files(hf_dir)
-    if hf["model_type"] in FAMILIES:
-        names = moe_import_names(cfg, hf["model_type"], set(tensor_files))
-    else:
-        names = model_names(cfg)
+    _, adapter = hf_adapter_for(hf)
+    names = adapter.import_names(cfg, set(tensor_files))
     check_keys(hf_dir, names, tensor_files, cfg.tie_embeddings)
 
     # No random init (seed=None): every parameter is overwritten below, buffers are zeroed.
@@ -85,22 +70,6 @@ def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
     )
 
 
-def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """kiln's ModelConfig for a Hugging Face config.json; any model_type other than the
-    supported ones is refused before anything is read or built."""
-    kind = hf.get("model_type")
-    if kind in FAMILIES:
-        return moe_config_from_hf(hf)
-    if kind != "llama" and looks_like_moe(hf):
-        raise unsupported_moe_error(hf)
-    if kind != "llama":
-        raise KilnError(
-            f"unsupported model: model_type {kind!r}, architectures {hf.get('architectures')}; "
-            f"{SUPPORTED}"
-        )
-    return llama_config_from_hf(hf)
-
-
 def kiln_to_hf(
     ckpt: str | Path,
     out_dir: str | Path,
@@ -108,9 +77,9 @@ def kiln_to_hf(
     dtype: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Export a kiln checkpoint as a Hugging Face folder loadable by `from_pretrained` of
-    LlamaForCausalLM (dense), Qwen3MoeForCausalLM (MoE with qk_norm) or MixtralForCausalLM
-    (MoE without); return `out_dir`.
+    """Export a kiln checkpoint as a Hugging Face folder loadable by `from_pretrained` of the
+    architecture its family exports it as (Llama family: LlamaForCausalLM, Qwen3ForCausalLM
+    with qk_norm, MixtralForCausalLM or Qwen3MoeForCausalLM with experts); return `out_dir`.
 
     The checkpoint may have been written by any layout (FSDP, TP, PP): DCP stores full tensors
     keyed by parameter name, so one process reads it whole. `dtype` defaults to the checkpoint's
@@ -126,22 +95,18 @@ def kiln_to_hf(
     _require_empty(out_dir)
     step_dir = resolve_checkpoint(ckpt)
     cfg = read_model_config(step_dir)
-    kind = _export_kind(cfg, step_dir)
+    adapter = family_of(cfg).export_adapter(cfg)
     if dtype is None:
         dtype = _checkpoint_export_dtype(step_dir)
     model = _load_kiln_model(cfg, step_dir)
-    if kind != "llama":
-        check_expert_biases(model, kind)
+    adapter.check_export_model(model)
     # Views of the model's own tensors: nothing is converted before its shard is written.
-    weights = export_tensors(model, _export_names(cfg, kind))
+    weights = export_tensors(model, adapter.export_names(cfg))
     shards = _plan_shards(weights, _DTYPES[dtype], shard_bytes)
 
     tokenizer = find_tokenizer(step_dir)
     special = _special_tokens(tokenizer) if tokenizer is not None else {}
-    if kind == "llama":
-        hf_config = llama_hf_config(cfg, dtype, special)
-    else:
-        hf_config = moe_hf_config(cfg, kind, dtype, special)
+    hf_config = adapter.hf_config(cfg, dtype, special)
     # Written beside out_dir and renamed into place, so an interrupted export leaves nothing behind.
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     partial.mkdir(parents=True)
@@ -174,26 +139,11 @@ def kiln_to_hf(
     return out_dir
 
 
-def _export_kind(cfg: ModelConfig, step_dir: Path) -> str:
-    """The model_type to export as: "llama" for a dense model, else the MoE family."""
-    if cfg.num_experts > 0:
-        return export_family(cfg)
-    if cfg.qk_norm:
-        raise KilnError(
-            f"{step_dir} was trained with model.qk_norm = true, which Hugging Face Llama does not "
-            "support; only dense models trained with qk_norm = false can be exported"
-        )
-    return "llama"
-
-
-def _export_names(cfg: ModelConfig, kind: str) -> NameMap:
-    return model_names(cfg) if kind == "llama" else moe_export_names(cfg, kind)
-
-
 def _name_map(cfg: ModelConfig) -> dict[str, str]:
-    """kiln name -> Hugging Face name of a dense Llama model, whose tensors map one to one
+    """kiln name -> Hugging Face name of a dense model, whose tensors map one to one
     (tests/distributed/test_hf_export.py compares exported tensors through it)."""
-    return {name: parts[0].name for name, parts in model_names(cfg).items()}
+    names = family_of(cfg).export_adapter(cfg).export_names(cfg)
+    return {name: parts[0].name for name, parts in names.items()}
 
 
 def parse_size(size: int | str) -> int:
@@ -289,7 +239,7 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
     )
 
 
-def _load_kiln_model(cfg: ModelConfig, step_dir: Path) -> Transformer:
+def _load_kiln_model(cfg: ModelConfig, step_dir: Path) -> torch.nn.Module:
     # No random init (seed=None): every parameter is overwritten by the checkpoint.
     model = materialize(build_model(cfg), device="cpu", seed=None)
     load_checkpoint(step_dir, model=model)

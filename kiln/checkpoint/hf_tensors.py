@@ -1,4 +1,4 @@
-"""Moving tensors between safetensors files and a kiln model along a name map (hf_names.py).
+"""Moving tensors between safetensors files and a kiln model along a family's name map.
 
 Reading goes one tensor (or one expert) at a time through safetensors' memory maps, so an
 import holds the kiln model and one Hugging Face tensor at most.
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kiln.checkpoint.hf_names import HfPart, NameMap, hf_tensor_names
 from kiln.errors import KilnError
+from kiln.model.family import HfPart, NameMap
 
 
 def check_keys(hf_dir: Path, names: NameMap, tensor_files: dict[str, Path], tied: bool) -> None:
@@ -78,3 +78,8 @@ def export_tensors(model: torch.nn.Module, names: NameMap) -> dict[str, torch.Te
                 raise ValueError(f"{part.name}: fused halves are read, never written")
             weights[part.name] = tensor[part.expert] if part.expert is not None else tensor
     return weights
+
+
+def hf_tensor_names(names: NameMap) -> set[str]:
+    """Every Hugging Face tensor a name map reads or writes."""
+    return {part.name for parts in names.values() for part in parts}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 # The model families kiln builds (kiln/model/registry.py maps each to its folder; docs/models.md).
 # Llama covers Llama 3.x, Qwen3 dense, Mixtral and Qwen3-MoE: they differ by keys.
 MODEL_FAMILIES = ("llama",)

@@ -7,6 +7,7 @@ from collections import Counter
 
 from kiln.config.sections import JobConfig
 from kiln.model import build_model
+from kiln.model.registry import family_of
 from kiln.parallel.float8 import float8_layer_plan
 from kiln.plan.activations import gathered_kv_bytes
 
@@ -14,7 +15,7 @@ from kiln.plan.activations import gathered_kv_bytes
 def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
     """Which linear layers compute in float8, and what stays in high precision and why."""
     model = build_model(cfg.model)
-    excluded = model.parallel_plan().float8_excluded
+    excluded = family_of(cfg.model).parallel_plan(cfg.model).float8_excluded
     plan = float8_layer_plan(model, cfg, tp=layout["tp"], excluded=excluded)
     # One line per reason, not per layer: "router" keeps one gate per MoE layer.
     kept = Counter(reason for reason in plan.values() if reason is not None)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.model.moe import MoEFeedForward
-from kiln.model.transformer import canonical_name
+from kiln.model.names import canonical_name
 from kiln.parallel.collectives import sum_over
 
 # Per layer: bias min, max, Σ|bias|, imbalance and the three losses; the expert loads follow.

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch.distributed as dist
 from torch import nn
 
-from kiln.model.transformer import canonical_name
+from kiln.model.names import canonical_name
 from kiln.parallel.grad_norms import squared_grad_norms
 
 

@@ -1,19 +1,32 @@
-"""The model package. Counting parameters and FLOPs needs no torch, so `kiln plan` and `kiln
-check` answer without importing it (seconds on a small machine); the modules are loaded on first
-use of their names."""
+"""The model package: the model families (kiln/model/registry.py) and what every family shares.
+Counting parameters and FLOPs needs no torch, so `kiln plan` and `kiln check` answer without
+importing it (seconds on a small machine); the modules are loaded on first use of their names."""
+
+from __future__ import annotations
 
 from importlib import import_module
 
-from kiln.model.flops import ParamCount, count_params, flops_per_token
+from kiln.config.sections import ModelConfig
+from kiln.model.family import ParamCount
+from kiln.model.registry import family_of
 
 _LAZY = {
     "KVCache": "kiln.model.kv_cache",
-    "Transformer": "kiln.model.transformer",
-    "build_model": "kiln.model.transformer",
-    "materialize": "kiln.model.transformer",
+    "build_model": "kiln.model.build",
+    "materialize": "kiln.model.build",
 }
 
 __all__ = ["ParamCount", "count_params", "flops_per_token", *_LAZY]
+
+
+def count_params(cfg: ModelConfig) -> ParamCount:
+    """Parameter counts of `cfg`'s model, by its family."""
+    return family_of(cfg).count_params(cfg)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward + backward FLOPs per trained token of `cfg`'s model at `seq_len`, by its family."""
+    return family_of(cfg).flops_per_token(cfg, seq_len)
 
 
 def __getattr__(name: str):

@@ -8,12 +8,11 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.model.kv_cache import KVCache
-from kiln.model.transformer import Transformer
 
 
 @torch.no_grad()
 def generate(
-    model: Transformer,
+    model: torch.nn.Module,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
-from kiln.config.sections import ModelConfig
 
 # Tiles are TILE_ROWS × TILE_COLS over a tensor's last two dims (1-D tensors: chunks of as many
 # elements). At 128K elements a tile takes ~2 ms to draw on a CPU core, so its own cost (a sha256,
@@ -30,25 +27,6 @@ TILE_COLS = 1024
 # A block of the full tensor held locally: where it sits in the local tensor, its global offset,
 # and its shape.
 Region = tuple[tuple[slice, ...], tuple[int, ...], tuple[int, ...]]
-
-
-def init_std(cfg: ModelConfig, name: str) -> float:
-    """Standard deviation of the normal init of parameter `name` (canonical, without wrappers)."""
-    if name == "tok_embeddings.weight" and not cfg.tie_embeddings:
-        # Unit-scale embeddings put the residual stream at O(1) from the start; at init_std,
-        # every Adam step would move them by a large fraction of their size.
-        return 1.0
-    if name.endswith(
-        (
-            "attention.wo.weight",
-            "feed_forward.w2.weight",
-            "feed_forward.shared_experts.w2.weight",
-            "feed_forward.experts.w2",
-        )
-    ):
-        # Outputs written into the residual stream shrink with depth, so it does not grow.
-        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    return cfg.init_std
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ PP split → TP → EP → CP → FP8 → AC → compile (per block) → FSDP2, 
 pipeline stage, with one exception: FP8's conversion swaps linear modules for torchao's
 Float8Linear, which must happen before TP wraps them, so it runs right after the split
 (float8.py). What each step applies to (blocks, module styles, FSDP units, stage boundaries)
-comes from the model family's plan, `model.parallel_plan()`.
+comes from the model family's plan (kiln/model/family.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from kiln.config.sections import JobConfig
-from kiln.model.transformer import Transformer
+from kiln.model.registry import family_of
 from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
 from kiln.parallel.all_to_all_stats import AllToAllStats
 from kiln.parallel.compile import compile_blocks
@@ -31,11 +32,11 @@ from kiln.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def apply_parallelism(
-    model: Transformer, cfg: JobConfig, parallel: ParallelContext | None = None
-) -> list[Transformer]:
+    model: nn.Module, cfg: JobConfig, parallel: ParallelContext | None = None
+) -> list[nn.Module]:
     """Wrap `model` (still on the meta device) and return the parts this rank runs: the model
     itself, or under pipeline parallel the stages assigned to this rank, in stage order."""
-    plan = model.parallel_plan()
+    plan = family_of(cfg.model).parallel_plan(cfg.model)
     # Decided on the whole model: every rank takes part in creating the sequence mesh.
     sequence_units = any(plan.block_sequence_units(b) for b in getattr(model, plan.blocks).values())
     degrees = parallel.degrees if parallel is not None else {"pp": 1, "tp": 1, "ep": 1, "cp": 1}

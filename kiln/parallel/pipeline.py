@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import JobConfig
-from kiln.model.transformer import Transformer
+from kiln.model.registry import family_of
 from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.pipeline_split import (
     microbatches,
@@ -37,9 +37,10 @@ SCHEDULES = {
 }
 
 
-def split_into_stages(model: Transformer, cfg: JobConfig, pp_rank: int) -> list[Transformer]:
+def split_into_stages(model: nn.Module, cfg: JobConfig, pp_rank: int) -> list[nn.Module]:
     """The stages `pp_rank` runs, built from `model` (still on the meta device, so copying is free)."""
-    plan, dist_cfg, last = model.parallel_plan(), cfg.distributed, num_stages(cfg.distributed) - 1
+    plan = family_of(cfg.model).parallel_plan(cfg.model)
+    dist_cfg, last = cfg.distributed, num_stages(cfg.distributed) - 1
     parts = []
     for stage in stages_of_rank(dist_cfg, pp_rank):
         part = copy.deepcopy(model)
@@ -94,8 +95,8 @@ class TiedEmbedding:
     in step: their gradients are summed so both copies take the same optimizer step. Every rank
     constructs it (it creates process groups); ranks holding neither copy have nothing to do."""
 
-    def __init__(self, parts: list[Transformer], cfg: JobConfig, parallel: ParallelContext):
-        name = parts[0].parallel_plan().tied_weight
+    def __init__(self, parts: list[nn.Module], cfg: JobConfig, parallel: ParallelContext):
+        name = family_of(cfg.model).parallel_plan(cfg.model).tied_weight
         held = [(part, _held(part, name)) for part in parts] if name is not None else []
         self.copies = [weight for _, weight in held if weight is not None]
         # The last stage's copy: clipped like the other, counted once in the gradient norm.

@@ -58,10 +58,11 @@ KILN = Implementation()
 
 def attention_bytes_per_token(m: ModelConfig, tp: int = 1, *, sp: bool = True) -> float:
     """Bytes the attention half of a block (its norm included) keeps for one token."""
-    q_dim, kv_dim = m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
+    a = model_facts.attention(m)
     norm_input = 2 * m.dim + RSTD_BYTES
     # Queries, keys and values, then the attention output that wo takes (as wide as the queries).
-    split = 2 * q_dim + 4 * kv_dim + 2 * q_dim + LSE_BYTES * m.n_heads
+    qkv = 2 * (a.query_width + a.key_width + a.value_width)
+    split = qkv + 2 * a.query_width + LSE_BYTES * a.heads
     return (norm_input / tp if sp else norm_input) + 2 * m.dim + split / tp
 
 
@@ -116,14 +117,14 @@ def backward_transient_bytes_per_token(m: ModelConfig, tp: int = 1) -> float:
 
 def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
     """Bytes of the keys and values one attention layer gathers under context parallel, for one
-    micro-batch (bf16): the whole sequences' (batch, kv heads / tp, seq_len, head_dim) twice.
+    micro-batch (bf16): the whole sequences' keys and values, split over tp by heads.
     This rank's own part is among the layer's activations already; the rest, (cp − 1) / cp of
     it, is what the all-gather brings in (and the reduce-scatter sends back in backward)."""
     if degrees["cp"] == 1:
         return 0.0
     m, t = cfg.model, cfg.train
     sequences = t.batch_size / pipeline_microbatches(cfg, degrees)
-    return 2 * 2 * sequences * t.seq_len * m.n_kv_heads / degrees["tp"] * m.resolved_head_dim
+    return 2 * sequences * t.seq_len * model_facts.attention(m).cached_width / degrees["tp"]
 
 
 def pipeline_microbatches(cfg: JobConfig, degrees: dict[str, int]) -> int:

@@ -110,8 +110,7 @@ def fsdp_sharded(degrees: dict[str, int]) -> bool:
 def largest_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
     """Parameters of the largest FSDP unit inside a block on one tp rank: attention, the dense
     feed-forward (both split by tp), or one ep rank's routed experts (whole, all of them)."""
-    hd = m.resolved_head_dim
-    attention = (2 * m.dim * m.n_heads * hd + 2 * m.dim * m.n_kv_heads * hd) / degrees["tp"]
+    attention = model_facts.attention(m).params / degrees["tp"]
     units = [attention]
     if model_facts.moe_layers(m) < m.n_layers:
         units.append(3 * m.dim * m.ffn_hidden_dim / degrees["tp"])

@@ -8,7 +8,9 @@ scalar), so an edited config is counted again.
 from __future__ import annotations
 
 from kiln.config.sections import ModelConfig
-from kiln.model.flops import ParamCount, count_params, flops_per_token
+from kiln.model import ParamCount, count_params, flops_per_token
+from kiln.model.family import AttentionTerms
+from kiln.model.registry import family_of
 
 _PARAMS: dict[tuple, ParamCount] = {}
 _MOE_LAYERS: dict[tuple, int] = {}
@@ -43,7 +45,12 @@ def moe_layers(m: ModelConfig) -> int:
 
 
 def flops(m: ModelConfig, seq_len: int) -> int:
-    """kiln/model/flops.py's FLOPs per trained token."""
+    """The family's FLOPs per trained token (e.g. kiln/model/llama/counts.py)."""
     key = (*_key(m), seq_len)
     found = _FLOPS.get(key)
     return found if found is not None else _remember(_FLOPS, key, flops_per_token(m, seq_len))
+
+
+def attention(m: ModelConfig) -> AttentionTerms:
+    """The shape of one block's attention, as the family describes it."""
+    return family_of(m).attention_terms(m)

@@ -1,7 +1,7 @@
 """Step time, tokens per second and MFU of a layout: compute, each collective, and how they
 overlap.
 
-Compute: the honest FLOPs per token MFU uses (kiln/model/flops.py: 6 per matmul weight a token
+Compute: the honest FLOPs per token MFU uses (the family's counts (kiln/model/llama/counts.py): 6 per matmul weight a token
 goes through, MoE's top-k experts only, plus causal attention), times the recompute activation
 checkpointing adds (a block's forward is a third of its forward and backward), over the GPU's
 dense peak times `COMPUTE_EFFICIENCY`. A pipeline adds its schedule's idle share
@@ -160,7 +160,7 @@ def cp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> flo
         return 0.0
     m = cfg.model
     layers = math.ceil(m.n_layers / degrees["pp"])
-    kv = 2 * m.n_kv_heads * m.resolved_head_dim / degrees["tp"]
+    kv = model_facts.attention(m).cached_width / degrees["tp"]
     whole = 2 * kv * microbatch_tokens(cfg, degrees) * degrees["cp"]
     size = whole * ring_share(degrees["cp"]) * layers * layer_passes(cfg, degrees)
     return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "cp"))

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.config.sections import OptimizerConfig
+from kiln.config.sections import JobConfig, OptimizerConfig
 from kiln.errors import ConfigError
+from kiln.model.registry import family_of
 from kiln.train.adamw import ShardLocalAdamW
 from kiln.train.lion import Lion
 from kiln.train.muon import Muon
@@ -25,13 +26,20 @@ from kiln.train.schedule_free import ScheduleFreeAdamW
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, *, ns_dtype: torch.dtype = torch.bfloat16
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    *,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    io_modules: tuple[str, ...] | None = None,
 ) -> list[torch.optim.Optimizer]:
     """The optimizers of one model part (one, or Muon and AdamW), their groups tagged with
-    `base_lr`. `ns_dtype`: the dtype of Muon's Newton–Schulz iterations."""
+    `base_lr`. `ns_dtype`: the dtype of Muon's Newton–Schulz iterations; `io_modules`: the
+    top-level modules Muon leaves to AdamW (the family plan's first and last stage modules:
+    embeddings, final norm, output head)."""
     groups = _decay_groups(_trainable(model), cfg.weight_decay)
     if cfg.name == "muon":
-        optimizers = _muon(model, cfg, ns_dtype)
+        assert io_modules is not None, "Muon needs the model's input and output modules"
+        optimizers = _muon(model, cfg, ns_dtype, outside=set(io_modules))
     elif cfg.name == "lion":
         optimizers = [Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas))]
     elif cfg.name == "schedule_free_adamw":
@@ -42,6 +50,19 @@ def build_optimizer(
         for group in optimizer.param_groups:
             group["base_lr"] = group["lr"]
     return optimizers
+
+
+def build_optimizers(
+    model_parts: list[nn.Module], cfg: JobConfig, *, device: torch.device
+) -> list[list[torch.optim.Optimizer]]:
+    """The optimizers of each model part this rank runs."""
+    plan = family_of(cfg.model).parallel_plan(cfg.model)
+    ns_dtype = newton_schulz_dtype(cfg.train.mixed_precision, device)
+    io_modules = plan.first_stage + plan.last_stage
+    return [
+        build_optimizer(part, cfg.optimizer, ns_dtype=ns_dtype, io_modules=io_modules)
+        for part in model_parts
+    ]
 
 
 def newton_schulz_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
@@ -69,10 +90,7 @@ def _adamw(groups: list[dict], cfg: OptimizerConfig, **overrides) -> torch.optim
     return ShardLocalAdamW(groups, **settings, fused=on_cuda)
 
 
-def _muon(model: nn.Module, cfg: OptimizerConfig, ns_dtype: torch.dtype) -> list:
-    outside = {
-        name for name in model.parallel_plan().first_stage + model.parallel_plan().last_stage
-    }
+def _muon(model: nn.Module, cfg: OptimizerConfig, ns_dtype: torch.dtype, *, outside: set) -> list:
     named = _trainable(model)
     matrices = [p for name, p in named if p.ndim >= 2 and name.split(".")[0] not in outside]
     rest = [(name, p) for name, p in named if not any(p is m for m in matrices)]

@@ -33,7 +33,7 @@ from kiln.parallel.mesh import init_parallel
 from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog
 from kiln.resilience.preemption import Preempted
 from kiln.resilience.time_limit import TimeLimit
-from kiln.train.optimizer import build_optimizer, newton_schulz_dtype
+from kiln.train.optimizer import build_optimizers
 from kiln.train.preflight import check_stop_at_step
 from kiln.train.schedule_free import optimizer_eval_point, optimizer_train_point
 from kiln.train.step import StepResult, TrainStep
@@ -64,10 +64,7 @@ class Trainer:
         seed = None if start.loads_weights else cfg.train.seed
         for part in self.model_parts:
             materialize(part, device=self.device, seed=seed)
-        ns_dtype = newton_schulz_dtype(cfg.train.mixed_precision, self.device)
-        self.optimizers = [
-            build_optimizer(p, cfg.optimizer, ns_dtype=ns_dtype) for p in self.model_parts
-        ]
+        self.optimizers = build_optimizers(self.model_parts, cfg, device=self.device)
         self.step_fn = TrainStep(
             cfg,
             self.parallel,

@@ -17,7 +17,7 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.config.sections import DistributedConfig, TrainConfig
 from kiln.model import build_model, materialize
 from kiln.model.document_mask import document_ids
-from kiln.model.transformer import canonical_name
+from kiln.model.names import canonical_name
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import ParallelContext, init_parallel

@@ -13,8 +13,8 @@ from torch import nn
 
 from kiln.config import JobConfig, ModelConfig
 from kiln.config.sections import Float8Config, TrainConfig
-from kiln.model.attention import Attention
 from kiln.model.feed_forward import FeedForward
+from kiln.model.llama.attention import Attention
 from kiln.model.rope import rope_tables
 from kiln.parallel.float8 import CUDA_CAPABILITY, convert_to_float8
 
@@ -100,7 +100,7 @@ def layer_case(name: str, seed: int) -> tuple[nn.Module, Callable, torch.Tensor]
     torch.manual_seed(seed)
     x = torch.randn(BATCH, SEQ, LAYER.dim, generator=generator).bfloat16()
     if name == "attention":
-        cos, sin = rope_tables(LAYER.head_dim, SEQ, 10000.0, "cpu")
+        cos, sin = rope_tables(LAYER.resolved_head_dim, SEQ, 10000.0, "cpu")
         module = Attention(LAYER).bfloat16()
         return module, lambda m, x: m(x, cos.to(x.device), sin.to(x.device)), x
     return FeedForward(LAYER.dim, LAYER.ffn_hidden_dim).bfloat16(), lambda m, x: m(x), x

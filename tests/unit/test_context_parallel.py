@@ -19,7 +19,7 @@ from kiln.model.document_mask import (
     masked_attention,
 )
 from kiln.model.kv_cache import KVCache
-from kiln.model.parallel_plan import llama_plan
+from kiln.model.llama.plan import llama_plan
 from kiln.parallel.context_parallel import apply_context_parallel, load_balanced_positions
 
 MODEL = ModelConfig(

@@ -18,9 +18,9 @@ from kiln.config.sections import Float8Config, TrainConfig
 from kiln.config.validate import collect_problems
 from kiln.errors import ConfigError
 from kiln.model import build_model
-from kiln.model.attention import Attention
 from kiln.model.feed_forward import FeedForward
-from kiln.model.parallel_plan import llama_plan
+from kiln.model.llama.attention import Attention
+from kiln.model.llama.plan import llama_plan
 from kiln.model.rope import rope_tables
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.float8 import convert_to_float8, float8_layer_plan
@@ -83,7 +83,7 @@ def test_a_filter_that_leaves_nothing_in_float8_is_one_clear_error():
 
 
 def attention(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    cos, sin = rope_tables(MODEL.head_dim, x.shape[1], 10000.0, "cpu")
+    cos, sin = rope_tables(MODEL.resolved_head_dim, x.shape[1], 10000.0, "cpu")
     return module(x, cos, sin)
 
 

@@ -18,8 +18,9 @@ from kiln.checkpoint.hf_convert import hf_to_kiln, kiln_to_hf, model_config_from
 from kiln.cli import main
 from kiln.config import CheckpointConfig, JobConfig, ModelConfig
 from kiln.errors import KilnError
-from kiln.model import Transformer, build_model, materialize
+from kiln.model import build_model, materialize
 from kiln.model.generate import generate
+from kiln.model.llama.model import Transformer
 from kiln.model.rope import Llama3Scaling
 from tests.conftest import REPO
 
@@ -349,7 +350,7 @@ def _shard(hf_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only Llama"),
+        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "kiln converts Llama"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "RoPE scaling 'yarn'"),
         (
             {"rope_scaling": {"type": "llama3", "factor": 8.0}},
@@ -396,7 +397,7 @@ def test_not_a_kiln_checkpoint_is_refused(hf_dir, tmp_path):
         kiln_to_hf(hf_dir, tmp_path / "out")
 
 
-def test_qk_norm_model_is_not_exported(tmp_path):
+def test_dense_qk_norm_model_exports_as_qwen3(tmp_path):
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=64, qk_norm=True)
     model = materialize(build_model(cfg), device="cpu", seed=0)
     save_checkpoint(
@@ -407,8 +408,9 @@ def test_qk_norm_model_is_not_exported(tmp_path):
         config=JobConfig(model=cfg),
         train_state={},
     )
-    with pytest.raises(KilnError, match="qk_norm"):
-        kiln_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    kiln_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen3ForCausalLM"], "qwen3")
 
 
 def test_sampling_is_seeded_and_filters(kiln_ckpt):

@@ -8,8 +8,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from kiln.config import ModelConfig
-from kiln.model import build_model, materialize, transformer
+from kiln.model import build_model, materialize
 from kiln.model import init as tiled
+from kiln.model.llama import model as transformer
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden_dim=96)
 

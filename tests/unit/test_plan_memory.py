@@ -14,10 +14,11 @@ from kiln.cli import main
 from kiln.config import JobConfig, ModelConfig
 from kiln.config.sections import OptimizerConfig
 from kiln.model import build_model, count_params
+from kiln.model.llama.model import Block
 from kiln.model.moe import MoEFeedForward
 from kiln.model.moe.experts import GroupedExperts
+from kiln.model.registry import family_of
 from kiln.model.rope import model_rope_tables
-from kiln.model.transformer import Block
 from kiln.parallel.fsdp import _within_experts
 from kiln.plan.activations import (
     LOGIT_BYTES,
@@ -179,7 +180,11 @@ def test_model_state_is_sharded_over_every_parameter_splitting_dim():
 
 def muon_params(m: ModelConfig) -> int:
     """What build_optimizer gives Muon (the model on the meta device: nothing allocated)."""
-    optimizers = build_optimizer(build_model(m), OptimizerConfig(name="muon"))
+    plan = family_of(m).parallel_plan(m)
+    io_modules = plan.first_stage + plan.last_stage
+    optimizers = build_optimizer(
+        build_model(m), OptimizerConfig(name="muon"), io_modules=io_modules
+    )
     muon = [o for o in optimizers if isinstance(o, Muon)]
     return sum(p.numel() for o in muon for group in o.param_groups for p in group["params"])
 

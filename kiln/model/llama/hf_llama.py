@@ -105,6 +105,21 @@ def base_problems(hf: dict[str, Any]) -> list[str]:
     return problems
 
 
+def window_problems(hf: dict[str, Any], *, sliding_flag: bool) -> list[str]:
+    """Sliding-window attention: kiln attends to the whole context. A window as long as the
+    context changes nothing; Qwen3 and Qwen3-MoE (`sliding_flag`) ignore their window unless
+    use_sliding_window is set."""
+    window = hf.get("sliding_window")
+    if sliding_flag and not hf.get("use_sliding_window", False):
+        window = None
+    context = hf.get("max_position_embeddings", 2048)
+    if window is None or window >= context:
+        return []
+    return [
+        f"sliding_window = {window} < max_position_embeddings = {context} (kiln attends to all)"
+    ]
+
+
 def base_fields(hf: dict[str, Any], *, rope_theta: float, norm_eps: float) -> dict[str, Any]:
     """The ModelConfig fields of the attention, norms, RoPE and embeddings. `rope_theta` and
     `norm_eps` are the family's defaults for a config that leaves them out."""

@@ -1,4 +1,4 @@
-"""Which Hugging Face tensors hold which kiln tensor: the name maps of the converter.
+"""Which Hugging Face tensors hold which tensor of a Llama-family model: the name maps.
 
 Most kiln tensors are one Hugging Face tensor under another name. Routed experts are not: kiln
 stacks them into 3-D parameters (experts, out, in), while Hugging Face checkpoints hold one 2-D
@@ -9,28 +9,9 @@ tensor per expert, or fused 3-D tensors whose gate and up projections share one 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kiln.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class HfPart:
-    """One Hugging Face tensor, or a half of one, that holds (part of) a kiln tensor.
-
-    expert: the HF tensor is `kiln_tensor[expert]` (one expert of a stacked 3-D parameter).
-    half: the kiln tensor is this half (0 or 1) along dim 1 of the HF tensor (a fused
-    gate_up_proj: gate first, then up); only read, never written.
-    """
-
-    name: str
-    expert: int | None = None
-    half: int | None = None
-
-
-# kiln name -> the Hugging Face tensors it is made of; a kiln tensor with no parts (the MoE
-# router's expert_bias) has no Hugging Face counterpart.
-NameMap = dict[str, list[HfPart]]
+from kiln.model.family import HfPart, NameMap
 
 # Per-layer tensors every supported family shares (kiln suffix -> HF suffix). Rotary embeddings
 # use the same half-split layout on both sides, so q/k weights need no permutation.
@@ -72,8 +53,3 @@ def model_names(cfg: ModelConfig, moe_layer: Callable[[int], NameMap] | None = N
         if moe:
             names.update({f"layers.{i}.{name}": parts for name, parts in moe_layer(i).items()})
     return names
-
-
-def hf_tensor_names(names: NameMap) -> set[str]:
-    """Every Hugging Face tensor a name map reads or writes."""
-    return {part.name for parts in names.values() for part in parts}

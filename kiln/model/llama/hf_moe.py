@@ -18,33 +18,30 @@ reads either layout; export writes the per-expert one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kiln.checkpoint.hf_llama import (
+from kiln.config import ModelConfig
+from kiln.errors import KilnError
+from kiln.model.family import HfPart, NameMap
+from kiln.model.llama.hf_llama import (
     REQUIRED_KEYS,
     base_fields,
     base_hf_config,
     base_problems,
     check_required,
     raise_problems,
+    window_problems,
 )
-from kiln.checkpoint.hf_names import HfPart, NameMap, model_names
-from kiln.config import ModelConfig
-from kiln.errors import KilnError
+from kiln.model.llama.hf_names import model_names
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # model_type -> (architecture, name in messages).
 FAMILIES = {
     "mixtral": ("MixtralForCausalLM", "Mixtral"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3-MoE"),
 }
-SUPPORTED = (
-    "kiln converts only Llama ('llama', LlamaForCausalLM) and the Mixture-of-Experts families "
-    "'mixtral' (MixtralForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM)"
-)
-# config.json keys by which other families announce routed experts.
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # Defaults of each family's config class for keys a config.json may leave out.
 _DEFAULTS = {
     "mixtral": {"rope_theta": 1e6, "norm_eps": 1e-5},
@@ -57,20 +54,6 @@ _EXPERT_NAMES = {
 }
 # Where the per-expert layout keeps the router and experts (Mixtral's older module name).
 _BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
-
-
-def looks_like_moe(hf: dict[str, Any]) -> bool:
-    """Whether a config.json of an unknown model_type describes routed experts."""
-    return "moe" in str(hf.get("model_type", "")) or any(hf.get(key) for key in _EXPERT_KEYS)
-
-
-def unsupported_moe_error(hf: dict[str, Any]) -> KilnError:
-    """One message for an MoE checkpoint of another family, raised before anything is read."""
-    architectures = hf.get("architectures")
-    return KilnError(
-        f"unsupported Mixture-of-Experts model: model_type {hf.get('model_type')!r}"
-        f"{f', architectures {architectures}' if architectures else ''}; {SUPPORTED}"
-    )
 
 
 def moe_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -89,7 +72,10 @@ def moe_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if _num_experts(hf) is None:
         raise KilnError(f"config.json lacks num_local_experts; is it a complete {family} config?")
     layers, layer_problems = _qwen3_layers(hf) if kind == "qwen3_moe" else ({}, [])
-    raise_problems(family, base_problems(hf) + _window_problems(hf) + layer_problems)
+    raise_problems(
+        family,
+        base_problems(hf) + window_problems(hf, sliding_flag=kind == "qwen3_moe") + layer_problems,
+    )
     experts = _num_experts(hf)
     expert_dim = hf["moe_intermediate_size"] if kind == "qwen3_moe" else hf["intermediate_size"]
     return ModelConfig(
@@ -109,20 +95,6 @@ def _num_experts(hf: dict[str, Any]) -> int | None:
     # transformers 5 writes num_local_experts for both; Qwen3-MoE's own configs say num_experts.
     value = hf.get("num_local_experts", hf.get("num_experts"))
     return None if value is None else int(value)
-
-
-def _window_problems(hf: dict[str, Any]) -> list[str]:
-    """Sliding-window attention: kiln attends to the whole context. A window as long as the
-    context changes nothing; Qwen3-MoE ignores its window unless use_sliding_window is set."""
-    window = hf.get("sliding_window")
-    if hf["model_type"] == "qwen3_moe" and not hf.get("use_sliding_window", False):
-        window = None
-    context = hf.get("max_position_embeddings", 2048)
-    if window is None or window >= context:
-        return []
-    return [
-        f"sliding_window = {window} < max_position_embeddings = {context} (kiln attends to all)"
-    ]
 
 
 def _qwen3_layers(hf: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
@@ -152,10 +124,11 @@ def _qwen3_layers(hf: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
     return fields, []
 
 
-def export_family(cfg: ModelConfig) -> str:
-    """The model_type a kiln MoE model is exported as; refuses what that family cannot express."""
-    kind = "qwen3_moe" if cfg.qk_norm else "mixtral"
-    architecture, family = FAMILIES[kind]
+def export_family_problems(cfg: ModelConfig, *, kind: str) -> list[str]:
+    """Why a kiln model cannot be exported as `kind` (empty: it can)."""
+    family = FAMILIES[kind][1]
+    if cfg.num_experts <= 0:
+        return [f"model.num_experts = {cfg.num_experts} ({family} has routed experts)"]
     problems = _routing_problems(cfg, family)
     if kind == "mixtral":
         if not cfg.moe_route_norm:
@@ -165,14 +138,7 @@ def export_family(cfg: ModelConfig) -> str:
                 f"dense blocks (moe_first_dense_layers = {cfg.moe_first_dense_layers}, "
                 f"moe_frequency = {cfg.moe_frequency}; every Mixtral block is MoE)"
             )
-    if problems:
-        raise KilnError(
-            f"cannot export this MoE model as {family} ({architecture}, the family for "
-            f"model.qk_norm = {str(cfg.qk_norm).lower()}): "
-            + "; ".join(problems)
-            + f". {family} would compute different outputs"
-        )
-    return kind
+    return problems
 
 
 def _routing_problems(cfg: ModelConfig, family: str) -> list[str]:
@@ -191,7 +157,7 @@ def _routing_problems(cfg: ModelConfig, family: str) -> list[str]:
     return problems
 
 
-def check_expert_biases(model: torch.nn.Module, kind: str) -> None:
+def check_expert_biases(model: nn.Module, *, kind: str) -> None:
     """Refuse to export a model whose aux-loss-free balancing moved its routing biases: they
     decide which experts each token goes to, and the Hugging Face router has none."""
     moved = [
@@ -210,9 +176,9 @@ def check_expert_biases(model: torch.nn.Module, kind: str) -> None:
 
 
 def moe_hf_config(
-    cfg: ModelConfig, kind: str, dtype: str, special: dict[str, tuple[str, int]]
+    cfg: ModelConfig, dtype: str, special: dict[str, tuple[str, int]], *, kind: str
 ) -> dict[str, Any]:
-    """A complete config.json of `kind` for a kiln MoE model `export_family` accepted."""
+    """A complete config.json of `kind` for a kiln MoE model it can express."""
     config = {
         "architectures": [FAMILIES[kind][0]],
         "model_type": kind,
@@ -251,13 +217,13 @@ def _qwen3_layer_keys(cfg: ModelConfig) -> dict[str, Any]:
     raise AssertionError("step 1 makes every block a candidate")
 
 
-def moe_import_names(cfg: ModelConfig, kind: str, hf_names: set[str]) -> NameMap:
+def moe_import_names(cfg: ModelConfig, hf_names: set[str], *, kind: str) -> NameMap:
     """The name map for reading a checkpoint: fused experts where it has them, else per expert."""
     fused = any(name.endswith(".experts.gate_up_proj") for name in hf_names)
     return model_names(cfg, lambda i: _fused_layer(i) if fused else _expert_layer(cfg, kind, i))
 
 
-def moe_export_names(cfg: ModelConfig, kind: str) -> NameMap:
+def moe_export_names(cfg: ModelConfig, *, kind: str) -> NameMap:
     """The name map for writing: one tensor per expert, as `save_pretrained` writes."""
     return model_names(cfg, lambda i: _expert_layer(cfg, kind, i))
 

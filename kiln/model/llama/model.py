@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from kiln.config.sections import ModelConfig
-from kiln.model.attention import Attention
 from kiln.model.document_mask import DocumentMask, build_document_mask, build_position_mask
 from kiln.model.feed_forward import FeedForward
-from kiln.model.init import fill_normal_, init_std
+from kiln.model.init import fill_normal_
 from kiln.model.kv_cache import KVCache
+from kiln.model.llama.attention import Attention
 from kiln.model.moe.block import MoEFeedForward
-from kiln.model.parallel_plan import ParallelPlan, llama_plan
+from kiln.model.names import canonical_name
 from kiln.model.rope import model_rope_tables
 
 
@@ -132,10 +134,6 @@ class Transformer(nn.Module):
         forward, never kept: FSDP swaps the parameters between sharded and gathered."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def parallel_plan(self) -> ParallelPlan:
-        """What kiln/parallel/ needs to know of this model's structure (see parallel_plan.py)."""
-        return llama_plan(self.cfg)
-
     def init_buffers(self) -> None:
         """Recompute the rotary tables and zero the MoE balancing state (buffers hold garbage
         after `to_empty`)."""
@@ -157,26 +155,20 @@ class Transformer(nn.Module):
                 fill_normal_(param, std=init_std(self.cfg, name), seed=seed, name=name)
 
 
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    """Parameter name without the prefixes wrappers (activation checkpointing, compile) insert."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
-
-def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta") -> Transformer:
-    """Construct on the meta device: no memory is allocated until `materialize`."""
-    with torch.device(device):
-        return Transformer(cfg)
-
-
-def materialize(model: Transformer, *, device: torch.device | str, seed: int | None) -> Transformer:
-    """Allocate on `device` and initialize; seed=None leaves the weights empty for a checkpoint to fill."""
-    model.to_empty(device=device)
-    model.init_buffers()
-    if seed is not None:
-        model.init_weights(seed)
-    return model
+def init_std(cfg: ModelConfig, name: str) -> float:
+    """Standard deviation of the normal init of parameter `name` (canonical, without wrappers)."""
+    if name == "tok_embeddings.weight" and not cfg.tie_embeddings:
+        # Unit-scale embeddings put the residual stream at O(1) from the start; at init_std,
+        # every Adam step would move them by a large fraction of their size.
+        return 1.0
+    if name.endswith(
+        (
+            "attention.wo.weight",
+            "feed_forward.w2.weight",
+            "feed_forward.shared_experts.w2.weight",
+            "feed_forward.experts.w2",
+        )
+    ):
+        # Outputs written into the residual stream shrink with depth, so it does not grow.
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std

@@ -1,30 +1,29 @@
-"""Parameter counts and honest training FLOPs per token, in one place."""
+"""The Llama family's parameter counts, honest training FLOPs per token and attention terms."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kiln.config.sections import ModelConfig
+from kiln.model.family import AttentionTerms, ParamCount
 
 
-@dataclass(frozen=True)
-class ParamCount:
-    total: int
-    embedding: int
-    # Weights of every matrix multiply one token goes through, output head included: with MoE,
-    # only its top-k routed experts (and the router and shared experts).
-    matmul: int
-    # Parameters one token uses: all but the routed experts it is not sent to (= total if dense).
-    active: int
-
-    @property
-    def non_embedding(self) -> int:
-        return self.total - self.embedding
+def attention_terms(cfg: ModelConfig) -> AttentionTerms:
+    """Grouped-query attention: n_heads query heads and n_kv_heads key/value heads of head_dim."""
+    d, hd = cfg.dim, cfg.resolved_head_dim
+    query, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    return AttentionTerms(
+        kind="gqa",
+        heads=cfg.n_heads,
+        query_width=query,
+        key_width=kv,
+        value_width=kv,
+        params=2 * d * query + 2 * d * kv,
+        cached_width=2 * kv,
+    )
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:
     d, hd = cfg.dim, cfg.resolved_head_dim
-    attention = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
+    attention = attention_terms(cfg).params
     dense_mlp = 3 * d * cfg.ffn_hidden_dim
     norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
     embedding = cfg.vocab_size * d

@@ -1,0 +1,109 @@
+"""What a model family hands the rest of kiln (docs/models.md): the one boundary through which
+the trainer, the step, `kiln/parallel/`, `kiln/checkpoint/` and `kiln/plan/` reach a model.
+
+A family lives in its own folder under `kiln/model/` and describes itself with a `ModelFamily`;
+`kiln/model/registry.py` maps `model.family` to it. Nothing here imports torch, so `kiln plan`
+and `kiln check` count and plan without loading it: the functions that build modules import
+them when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from kiln.config.sections import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from kiln.model.parallel_plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    embedding: int
+    # Weights of every matrix multiply one token goes through, output head included: with MoE,
+    # only its top-k routed experts (and the router and shared experts).
+    matmul: int
+    # Parameters one token uses: all but the routed experts it is not sent to (= total if dense).
+    active: int
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+@dataclass(frozen=True)
+class AttentionTerms:
+    """The attention's shape as the planner's memory and communication terms need it."""
+
+    # "gqa": grouped-query attention over whole heads; "mla": multi-head latent attention.
+    kind: Literal["gqa", "mla"]
+    heads: int
+    # Widths per token of the queries, the keys, the values, and the attention output wo takes.
+    query_width: int
+    key_width: int
+    value_width: int
+    # Weights of one block's attention, and the width of what one layer keeps per token for
+    # context parallel and the KV cache (keys and values).
+    params: int
+    cached_width: int
+
+
+@dataclass(frozen=True)
+class HfPart:
+    """One Hugging Face tensor, or a half of one, that holds (part of) a kiln tensor.
+
+    expert: the HF tensor is `kiln_tensor[expert]` (one expert of a stacked 3-D parameter).
+    half: the kiln tensor is this half (0 or 1) along dim 1 of the HF tensor (a fused
+    gate_up_proj: gate first, then up); only read, never written.
+    """
+
+    name: str
+    expert: int | None = None
+    half: int | None = None
+
+
+# kiln name -> the Hugging Face tensors it is made of; a kiln tensor with no parts (the MoE
+# router's expert_bias) has no Hugging Face counterpart.
+NameMap = dict[str, list[HfPart]]
+
+
+@dataclass(frozen=True)
+class HfAdapter:
+    """One Hugging Face architecture, both directions: config.json <-> ModelConfig and the
+    tensor names. `config_from_hf` refuses (KilnError naming the key) whatever kiln's model
+    would compute differently; `export_problems` says why a kiln model cannot be exported as
+    this architecture (empty: it can)."""
+
+    model_type: str
+    architecture: str
+    config_from_hf: Callable[[dict[str, Any]], ModelConfig]
+    hf_config: Callable[[ModelConfig, str, dict[str, tuple[str, int]]], dict[str, Any]]
+    import_names: Callable[[ModelConfig, set[str]], NameMap]
+    export_names: Callable[[ModelConfig], NameMap]
+    export_problems: Callable[[ModelConfig], list[str]]
+    # Refuses a built model whose state the architecture cannot hold (e.g. moved routing biases).
+    check_export_model: Callable[[nn.Module], None] = lambda model: None
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family: how to build, parallelize, convert and count it."""
+
+    name: str
+    # The whole model on the current default device (kiln/model/build.py puts it on meta).
+    build: Callable[[ModelConfig], nn.Module]
+    parallel_plan: Callable[[ModelConfig], ParallelPlan]
+    # One per Hugging Face architecture this family converts.
+    hf_adapters: tuple[HfAdapter, ...]
+    # The adapter a kiln model of this family exports as (raises KilnError saying why none fits).
+    export_adapter: Callable[[ModelConfig], HfAdapter]
+    count_params: Callable[[ModelConfig], ParamCount]
+    flops_per_token: Callable[[ModelConfig, int], int]
+    attention_terms: Callable[[ModelConfig], AttentionTerms]
+    # Config problems only this family knows of, e.g. keys it does not model (empty: none).
+    config_problems: Callable[[ModelConfig], list[str]] = lambda cfg: []

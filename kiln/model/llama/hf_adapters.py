@@ -1,0 +1,91 @@
+"""The Hugging Face architectures the Llama family converts, both directions, and which one a
+kiln model exports as: by its keys, the architecture that computes the same thing."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from kiln.config import ModelConfig
+from kiln.errors import KilnError
+from kiln.model.family import HfAdapter
+from kiln.model.llama.hf_llama import llama_config_from_hf, llama_hf_config
+from kiln.model.llama.hf_moe import (
+    FAMILIES,
+    check_expert_biases,
+    export_family_problems,
+    moe_config_from_hf,
+    moe_export_names,
+    moe_hf_config,
+    moe_import_names,
+)
+from kiln.model.llama.hf_names import model_names
+from kiln.model.llama.hf_qwen3 import qwen3_config_from_hf, qwen3_export_problems, qwen3_hf_config
+
+
+def _llama_export_problems(cfg: ModelConfig) -> list[str]:
+    problems = []
+    if cfg.num_experts > 0:
+        problems.append(f"model.num_experts = {cfg.num_experts} (Llama is dense)")
+    if cfg.qk_norm:
+        problems.append("model.qk_norm = true (Llama's attention does not normalize q and k)")
+    return problems
+
+
+def _dense_names(cfg: ModelConfig, hf_names: set[str] | None = None) -> dict:
+    return model_names(cfg)
+
+
+LLAMA = HfAdapter(
+    model_type="llama",
+    architecture="LlamaForCausalLM",
+    config_from_hf=llama_config_from_hf,
+    hf_config=llama_hf_config,
+    import_names=_dense_names,
+    export_names=_dense_names,
+    export_problems=_llama_export_problems,
+)
+QWEN3 = HfAdapter(
+    model_type="qwen3",
+    architecture="Qwen3ForCausalLM",
+    config_from_hf=qwen3_config_from_hf,
+    hf_config=qwen3_hf_config,
+    import_names=_dense_names,
+    export_names=_dense_names,
+    export_problems=qwen3_export_problems,
+)
+
+
+def _moe_adapter(kind: str) -> HfAdapter:
+    return HfAdapter(
+        model_type=kind,
+        architecture=FAMILIES[kind][0],
+        config_from_hf=moe_config_from_hf,
+        hf_config=partial(moe_hf_config, kind=kind),
+        import_names=partial(moe_import_names, kind=kind),
+        export_names=partial(moe_export_names, kind=kind),
+        export_problems=partial(export_family_problems, kind=kind),
+        check_export_model=partial(check_expert_biases, kind=kind),
+    )
+
+
+MIXTRAL, QWEN3_MOE = _moe_adapter("mixtral"), _moe_adapter("qwen3_moe")
+ADAPTERS = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)
+
+
+def export_adapter(cfg: ModelConfig) -> HfAdapter:
+    """The architecture with the same attention and feed-forward as `cfg`: q/k norms make it
+    Qwen3 (dense) or Qwen3-MoE, else Llama or Mixtral. Raises KilnError when that one would
+    compute something else, saying what."""
+    moe = cfg.num_experts > 0
+    adapter = {(False, False): LLAMA, (False, True): QWEN3, (True, False): MIXTRAL}.get(
+        (moe, cfg.qk_norm), QWEN3_MOE
+    )
+    problems = adapter.export_problems(cfg)
+    if problems:
+        raise KilnError(
+            f"cannot export this model as {adapter.architecture} (the architecture for "
+            f"model.qk_norm = {str(cfg.qk_norm).lower()}, {'MoE' if moe else 'dense'}): "
+            + "; ".join(problems)
+            + ". It would compute different outputs"
+        )
+    return adapter

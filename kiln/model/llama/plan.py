@@ -1,0 +1,118 @@
+"""The Llama family's parallel plan (kiln/model/parallel_plan.py says what a plan holds).
+
+Mixture-of-Experts blocks have no expert tensor parallel: the MoE feed-forward (router, routed
+and shared experts) takes the residual stream's local sequence shard and keeps its weights whole,
+so each tp rank routes and computes its own tokens. Those weights therefore see different tokens
+on each tp rank, like on each data rank, and their gradients must be summed over both: the plan
+names them (`block_sequence_units`) and FSDP shards them over the data and tp ranks together.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from kiln.config.sections import ModelConfig
+from kiln.model.moe.block import MoEFeedForward
+from kiln.model.parallel_plan import ParallelPlan
+
+
+def llama_plan(cfg: ModelConfig) -> ParallelPlan:
+    """Llama: sequence-parallel norms, column/row-split attention and SwiGLU, vocabulary-split
+    embedding and head with the logits left vocabulary-sharded for the loss (loss parallel)."""
+    tied = cfg.tie_embeddings
+    return ParallelPlan(
+        blocks="layers",
+        tp={
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+        block_tp=_llama_block_tp,
+        block_fsdp_units=_llama_fsdp_units,
+        first_stage=("tok_embeddings",),
+        # Tied: the last stage keeps its own copy of the embedding as output head.
+        last_stage=("norm", "output", "tok_embeddings") if tied else ("norm", "output"),
+        tied_weight="tok_embeddings.weight" if tied else None,
+        block_sequence_units=_moe_sequence_units,
+        block_moe=lambda block: ("feed_forward",) if _is_moe(block) else (),
+        block_attention=lambda block: ("attention",),
+        # The head's logits feed the loss, where float8's rounding costs the most; a router's
+        # top-k choice flips on small differences.
+        float8_excluded=("output", "router"),
+    )
+
+
+def _is_moe(block: nn.Module) -> bool:
+    return isinstance(block.feed_forward, MoEFeedForward)
+
+
+def _llama_fsdp_units(block: nn.Module) -> tuple[str, ...]:
+    # In an MoE block the routed experts (most of its weights) are a unit of their own, and the
+    # rest of the MoE feed-forward (router gate, shared experts) another, inside it.
+    if _is_moe(block):
+        return ("attention", "feed_forward.experts", "feed_forward")
+    return ("attention", "feed_forward")
+
+
+def _moe_sequence_units(block: nn.Module) -> tuple[str, ...]:
+    return ("feed_forward.experts", "feed_forward") if _is_moe(block) else ()
+
+
+def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
+    # Attention and feed-forward take the sequence-sharded residual stream and need it whole.
+    # The document mask comes as a keyword, which this passes through untouched: it covers whole
+    # sequences and all heads, so it is the same on every tp rank.
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None),
+            use_local_output=True,
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        **(_moe_ffn_tp() if _is_moe(block) else _dense_ffn_tp()),
+    }
+    if block.attention.q_norm is not None:
+        # q and k are (batch, heads, seq, head_dim) with this rank's heads: the norm weight, shared
+        # by all heads, is replicated and its input marked as split along dim 1, so the weight's
+        # gradient is summed over the tp ranks' heads like a sequence-parallel norm's over tokens.
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    return plan
+
+
+def _dense_ffn_tp() -> dict[str, ParallelStyle]:
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _moe_ffn_tp() -> dict[str, ParallelStyle]:
+    # The MoE feed-forward works on plain tensors: it takes this tp rank's sequence shard of the
+    # (sequence-parallel) norm's output as it is, nothing gathered, and returns the same tokens'
+    # outputs, a plain tensor like the rest of the residual stream between sub-layers (the
+    # embedding and the row-split outputs return their local sequence shards too).
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+    }
