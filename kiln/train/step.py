@@ -1,16 +1,17 @@
 """One optimizer step over a global batch, the same in every layout: count the step's valid
 tokens over all data ranks before any backward, forward/backward each micro-batch on the loss
 normalized by that count, sum tied-weight gradients, clip, agree across ranks (non-finite values,
-stop requests, background saves), then update with the scheduled learning rate or skip."""
+stop requests, background saves), then update with the scheduled learning rate or skip.
+
+That is the dense core, `TrainStep.__call__`. Features that add to it (a mixture's per-dataset
+losses, expert-parallel traffic, MoE balancing) plug in as hooks (kiln/train/step_hooks.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
@@ -19,17 +20,8 @@ from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
 from kiln.metrics.expert_parallel_records import ExpertParallelStep
-from kiln.metrics.idle_experts import IdleExperts
-from kiln.metrics.logger import warn
-from kiln.metrics.moe_records import MoEStep, moe_layer_names, moe_records
 from kiln.metrics.param_norms import param_grad_norms
 from kiln.model.document_mask import document_ids
-from kiln.model.moe import (
-    AuxLossScale,
-    set_aux_loss_scale,
-    take_aux_loss_sums,
-    update_expert_biases,
-)
 from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
 from kiln.parallel.context_parallel import ContextParallel
@@ -41,11 +33,21 @@ from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.mixed_precision import training_autocast
 from kiln.parallel.pipeline import TiedEmbedding
 from kiln.resilience.nan_injection import NanInjection
-from kiln.train.dataset_losses import DatasetLosses
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
 from kiln.train.loss import chunked_token_loss_sum, count_valid, token_loss_sum
+from kiln.train.moe_step import MoEBalancing
 from kiln.train.schedule import lr_factor
+from kiln.train.step_hooks import DatasetLossHook, ExpertParallelHook, StepHook
+
+
+@dataclass(frozen=True)
+class StepFlags:
+    """This rank's requests for the step, agreed with every rank's in its one small all-reduce."""
+
+    stop: bool = False  # signalled (SIGTERM/SIGUSR1/SIGINT)
+    time_up: bool = False  # rank 0 found train.time_limit_minutes close
+    save_pending: bool = False  # this rank's part of the save in flight is not written yet
 
 
 class StepResult(NamedTuple):
@@ -77,14 +79,15 @@ class TrainStep:
         tied = pipelined and cfg.model.tie_embeddings
         self.tied = TiedEmbedding(model_parts, cfg, parallel) if tied else None
         self.duplicates = self.tied.duplicates if self.tied is not None else ()
-        # A mixture logs each dataset's loss: the loss is then kept per sequence.
-        names = [source.name for source in sources]
-        self.dataset_losses = DatasetLosses(names, self.device) if len(names) > 1 else None
         # A mixture's datasets share one tokenizer (checked at start-up), so one EOS id.
         self.eos_id = sources[0].eos_id
         self.nan_injection = NanInjection(
             cfg.resilience.debug_nan_steps, rank=parallel.rank, world_size=parallel.world_size
         )
+        # FSDP averages gradients; the loss is already normalized, so the average is undone.
+        self.grad_scale = gradient_average_compensation(parallel.fsdp_mesh())
+        self.hooks = step_hooks(cfg, parallel, model_parts, sources, grad_scale=self.grad_scale)
+        self.per_row = any(hook.needs_row_losses for hook in self.hooks)
         # The chunked loss applies the output head itself, chunk by chunk: the model (the last
         # pipeline stage) ends at the final norm. FSDP keeps the head gathered from the root
         # unit's forward to its backward (kiln/parallel/fsdp.py), when the loss reads it.
@@ -98,89 +101,46 @@ class TrainStep:
             parallel,
             loss_fn=self._loss,
             autocast=training_autocast(cfg, parallel),
-            per_row=self.dataset_losses is not None,
+            per_row=self.per_row,
         )
-        # FSDP averages gradients; the loss is already normalized, so the average is undone.
-        self.grad_scale = gradient_average_compensation(parallel.fsdp_mesh())
         # per_step: micro-batch gradients accumulate unsharded and are reduced once.
         self.defer_grad_reduce = (
             parallel.fsdp_mesh() is not None
             and cfg.distributed.grad_reduce == "per_step"
             and not pipelined
         )
-        # From the config, not this rank's modules: a pipeline rank whose stages hold no MoE
-        # layer still joins the collectives of the MoE records.
-        self.moe = cfg.model.num_experts > 0
-        # The ranks holding the other tokens of a micro-batch (data, cp and tp ranks), and those
-        # holding the other parts of this rank's sequences (cp and tp ranks). Created here, on
-        # every rank at once, as creating a group requires.
-        self.token_group = parallel.token_group() if self.moe else None
-        self.sequence_group = parallel.sequence_group() if self.moe else None
         # Context parallel: this rank keeps its chunks of every sequence it reads.
         cp_mesh = parallel.cp_mesh()
         self.context = ContextParallel(cp_mesh) if cp_mesh is not None else None
-        self.moe_step: MoEStep | None = None
-        self.idle_experts = IdleExperts(
-            moe_layer_names(model_parts), patience=cfg.metrics.idle_expert_warn_steps
-        )
-        # Each rank's loads are its token group's sums: one rank of each group says it.
-        self.says_idle = self.token_group is None or dist.get_rank(self.token_group) == 0
-        stats = expert_parallel_stats(model_parts)
-        self.expert_parallel = (
-            ExpertParallelStep(stats, parallel.ep_mesh().get_group()) if stats else None
-        )
 
-    def __call__(self, batch: StepBatch, *, step: int, flags: dict[str, bool]) -> StepResult:
-        """Step number `step` (1-based) over `batch`; `flags` (stop, time_up, save_pending) are
-        this rank's, agreed with the others' in the step's one small all-reduce."""
+    def __call__(self, batch: StepBatch, *, step: int, flags: StepFlags) -> StepResult:
+        """Step number `step` (1-based) over `batch`; `flags` are this rank's."""
         self.nan_injection.start_step(step)
-        if self.expert_parallel is not None:
-            self.expert_parallel.start()
         read = [
             (to_device(x, self.device), to_device(y, self.device)) for x, y in batch.micro_batches
         ]
+        for hook in self.hooks:
+            hook.before_step(batch, read)
         micro_batches = [self._prepare(inputs, labels) for inputs, labels in read]
         # This rank's valid tokens, summed over the ranks holding the others (data and cp);
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
         valid = sum(count_valid(labels) for _, labels, _ in micro_batches)
         valid = sum_over(valid, self.parallel.data_group()).clamp(min=1)
         total = torch.zeros((), device=self.device)
-        if self.moe:
-            self._set_moe_normalization(read)
         for index, (inputs, labels, kwargs) in enumerate(micro_batches):
             if self.defer_grad_reduce:
                 self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
             losses = self.forward_backward(inputs, labels, kwargs, scale=self.grad_scale / valid)
             total += losses.sum()
-            if self.dataset_losses is not None:
-                self.dataset_losses.add(losses, labels, batch.dataset_ids[index])
-        if self.tied is not None:
-            self.tied.sync_grads()
-        per_param = None
-        if self.cfg.metrics.param_grad_norms:
-            per_param = param_grad_norms(
-                self.model_parts, pipeline_group=self.pipeline_group, duplicates=self.duplicates
-            )
-        grad_norm = clip_grad_norm(
-            [p for part in self.model_parts for p in part.parameters()],
-            self.cfg.train.grad_clip_norm,
-            pipeline_group=self.pipeline_group,
-            duplicates=self.duplicates,
-        )
+            for hook in self.hooks:
+                hook.after_backward(index, losses, labels)
+        grad_norm, per_param = self._clip()
         # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
         loss = sum_over(sum_over(total, self.pipeline_group), self.parallel.data_group()) / valid
-        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        if self.parallel.world_size == 1:
-            # Nothing to agree on: the host flags stay on the host (each would be a copy to the
-            # GPU that waits for it) and the one read of `finite` is the step's one wait.
-            agreed = {"non_finite": not bool(finite)} | {k: bool(v) for k, v in flags.items()}
-        else:
-            agreed = any_rank({"non_finite": ~finite, **flags}, device=self.device)
+        agreed = self._agree(loss, grad_norm, flags)
         lr = self._update(step, skip=agreed["non_finite"])
-        if self.moe:
-            self._end_moe_step(skipped=agreed["non_finite"])
-        if self.expert_parallel is not None:
-            self.expert_parallel.end()
+        for hook in self.hooks:
+            hook.after_update(skipped=agreed["non_finite"])
         tokens = sum(inputs.numel() for inputs, _ in read) * self.parallel.data_ranks
         return StepResult(
             loss,
@@ -194,56 +154,42 @@ class TrainStep:
             param_grad_norms=per_param,
         )
 
-    def _set_moe_normalization(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """MoE auxiliary losses are normalized over the whole step, like the main loss: by the
-        step's tokens and sequences on all data ranks (every token counts, masked or not).
-
-        The load-balance loss takes f_e from the expert counts of the whole micro-batch: summed
-        over the data ranks and the tp ranks, which hold its other tokens. It then equals one
-        process's on the same micro-batches (same batch_size × data ranks and grad_accum_steps;
-        under pipeline parallel one process whose micro-batches are the pipeline's). The
-        sequence-wise loss counts whole sequences: summed over the cp and tp ranks.
-        `micro_batches`: as read, whole sequences."""
-        ranks = self.parallel.data_ranks
-        tokens = sum(inputs.numel() for inputs, _ in micro_batches) * ranks
-        sequences = sum(inputs.shape[0] for inputs, _ in micro_batches) * ranks
-        scale = AuxLossScale(
-            per_token=self.grad_scale / tokens,
-            per_sequence=self.grad_scale / sequences,
-            reduce_counts=_sum_over(self.token_group),
-            reduce_sequence_counts=_sum_over(self.sequence_group),
-        )
-        for part in self.model_parts:
-            set_aux_loss_scale(part, scale)
-        self.moe_step = MoEStep(None, None, tokens=tokens, sequences=sequences)
-
-    def _end_moe_step(self, *, skipped: bool) -> None:
-        """Move the expert biases by the step's loads summed over the token group (the same
-        update on every rank; a skipped step only restarts the counts), and keep the step's
-        loads and balancing-loss sums for its records."""
-        rate = 0.0 if skipped else self.cfg.model.moe_bias_update_rate
-        loads = update_expert_biases(self.model_parts, rate, all_reduce=_sum_over(self.token_group))
-        sums = take_aux_loss_sums(self.model_parts)
-        self.moe_step = self.moe_step._replace(loads=loads, aux_loss_sums=sums)
-        if loads is not None:
-            for message in self.idle_experts.update(loads):
-                if self.says_idle:
-                    warn(message)
-
-    def moe_records(self) -> dict[str, float]:
-        """The last step's MoE records (see `moe_records`) and, under expert parallel, what its
-        all-to-alls moved; every rank calls it at once."""
-        if self.moe_step is None:
-            return {}
-        moved = self.expert_parallel.records() if self.expert_parallel is not None else {}
-        return moved | moe_records(
-            self.model_parts,
-            self.moe_step,
-            token_group=self.token_group,
+    def _clip(self) -> tuple[torch.Tensor, dict[str, float] | None]:
+        """Sum the tied weight's two gradients, then clip: the gradient norm before clipping, and
+        each parameter's (metrics.param_grad_norms)."""
+        if self.tied is not None:
+            self.tied.sync_grads()
+        per_param = None
+        if self.cfg.metrics.param_grad_norms:
+            per_param = param_grad_norms(
+                self.model_parts, pipeline_group=self.pipeline_group, duplicates=self.duplicates
+            )
+        grad_norm = clip_grad_norm(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.cfg.train.grad_clip_norm,
             pipeline_group=self.pipeline_group,
+            duplicates=self.duplicates,
         )
+        return grad_norm, per_param
+
+    def _agree(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, flags: StepFlags
+    ) -> dict[str, bool]:
+        """Whether any rank saw a non-finite loss or gradient norm, or set a flag."""
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if self.parallel.world_size == 1:
+            # Nothing to agree on: the host flags stay on the host (each would be a copy to the
+            # GPU that waits for it) and the one read of `finite` is the step's one wait.
+            return {"non_finite": not bool(finite)} | asdict(flags)
+        return any_rank({"non_finite": ~finite, **asdict(flags)}, device=self.device)
+
+    def records(self) -> dict[str, float]:
+        """What the step's hooks add to a logged step (per-dataset losses, expert-parallel
+        traffic, MoE balance); every rank calls it at once."""
+        out: dict[str, float] = {}
+        for hook in self.hooks:
+            out |= hook.records()
+        return out
 
     def _update(self, step: int, *, skip: bool) -> float:
         lr = (
@@ -282,18 +228,10 @@ class TrainStep:
             pipeline_group=self.pipeline_group,
         )
 
-    def dataset_records(self) -> dict[str, float]:
-        """Each dataset's mean loss since the last call (a mixture only)."""
-        if self.dataset_losses is None:
-            return {}
-        return self.dataset_losses.reduce(
-            data_group=self.parallel.data_group(), pipeline_group=self.pipeline_group
-        )
-
     def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Token-loss sums from the model's output: logits, or with the chunked loss the final
         norm's output."""
-        train, per_row = self.cfg.train, self.dataset_losses is not None
+        train, per_row = self.cfg.train, self.per_row
         if self.chunked:
             losses = chunked_token_loss_sum(
                 output,
@@ -348,5 +286,36 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=tensor.is_pinned())
 
 
-def _sum_over(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    return partial(sum_over, group=group) if group is not None else None
+def step_hooks(
+    cfg: JobConfig,
+    parallel: ParallelContext,
+    model_parts: list[nn.Module],
+    sources: list[Source],
+    *,
+    grad_scale: float,
+) -> list[StepHook]:
+    """The hooks this job's step runs, in the order their records are logged."""
+    pipeline_group = parallel.mesh["pp"].get_group() if parallel.degrees["pp"] > 1 else None
+    hooks: list[StepHook] = []
+    if len(sources) > 1:  # a mixture logs each dataset's loss
+        names = [source.name for source in sources]
+        data_group = parallel.data_group()
+        hooks.append(
+            DatasetLossHook(
+                names, parallel.device, data_group=data_group, pipeline_group=pipeline_group
+            )
+        )
+    stats = expert_parallel_stats(model_parts)
+    if stats is not None:
+        hooks.append(ExpertParallelHook(ExpertParallelStep(stats, parallel.ep_mesh().get_group())))
+    if cfg.model.num_experts > 0:
+        hooks.append(
+            MoEBalancing(
+                cfg,
+                parallel,
+                model_parts=model_parts,
+                grad_scale=grad_scale,
+                pipeline_group=pipeline_group,
+            )
+        )
+    return hooks

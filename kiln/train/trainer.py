@@ -36,7 +36,7 @@ from kiln.resilience.time_limit import TimeLimit
 from kiln.train.optimizer import build_optimizers
 from kiln.train.preflight import check_stop_at_step
 from kiln.train.schedule_free import optimizer_eval_point, optimizer_train_point
-from kiln.train.step import StepResult, TrainStep
+from kiln.train.step import StepFlags, StepResult, TrainStep
 from kiln.train.task_eval import TaskEval
 
 
@@ -169,7 +169,7 @@ class Trainer:
         """One optimizer step; skipped (no update) when any rank saw a non-finite loss or
         gradient norm. The flags of the result are agreed by all ranks."""
         pending = not self.checkpoints.written_locally()
-        flags = {"stop": stop_requested, "time_up": time_up, "save_pending": pending}
+        flags = StepFlags(stop=stop_requested, time_up=time_up, save_pending=pending)
         with record_function("data"):
             batch = self.loader.next_step()
         result = self.step_fn(batch, step=self.step + 1, flags=flags)
@@ -206,8 +206,7 @@ class Trainer:
         record["skipped_steps"] = self.nan_guard.skipped_total
         if result.param_grad_norms is not None:
             record["param_grad_norms"] = result.param_grad_norms
-        record |= self.step_fn.dataset_records()
-        record |= self.step_fn.moe_records()
+        record |= self.step_fn.records()
         if log.eval_due(self.step):
             log.excluding(lambda: record.update(self.evaluate()))  # not training time
         if self.parallel.is_main:

@@ -81,9 +81,11 @@ def test_mixture_two_ranks_then_resume_in_one(tmp_path, train, demo_data, code_c
     assert {"loss/web", "loss/code"} <= {key for step in range(1, 7) for key in got[step]}
     assert "loss/web" not in got[7]  # from step 6 the phase reads code only
     assert got[7]["lr"] < got[5]["lr"] * 0.75  # and halves the learning rate
-    # Two corpora, not one under two names: the datasets' losses differ.
-    mixed = next(step for step in range(1, 6) if {"loss/web", "loss/code"} <= set(got[step]))
-    assert abs(got[mixed]["loss/web"] - got[mixed]["loss/code"]) > 1e-3
+    # Two corpora, not one under two names: the datasets' losses differ once the model has
+    # learned a little (at step 1 both sit near ln(vocab), and the code corpus is kiln's own
+    # sources, which change with every commit: one early step is no fixed margin).
+    mixed = [step for step in range(1, 7) if {"loss/web", "loss/code"} <= set(got[step])]
+    assert max(abs(got[step]["loss/web"] - got[step]["loss/code"]) for step in mixed) > 1e-2
 
     step_5 = copy_to_resume(two, tmp_path / "resumed")
     (output,) = train(tmp_path / "resumed", 1, *ONE_PROCESS, *overrides)
