@@ -122,7 +122,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None:
     parts, value = parse_override(item)
-    if _field_type(parts) is str and not isinstance(value, str):
+    if _is_text(_field_type(parts)) and not isinstance(value, str):
         value = item.split("=", 1)[1]  # `--metrics.run_dir=2024-01-01` is a name, not a date
     table = raw
     for depth, name in enumerate(parts[:-1]):
@@ -141,6 +141,14 @@ def _field_type(parts: list[str]) -> Any:
             return None
         hint = typing.get_type_hints(hint).get(name)
     return hint
+
+
+def _is_text(hint: Any) -> bool:
+    """A string field: `str`, a Literal of strings (one of a few words), or either | None."""
+    hint = _without_none(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return all(isinstance(option, str) for option in typing.get_args(hint))
+    return hint is str
 
 
 def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
@@ -224,6 +232,12 @@ def convert(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
     if origin in (typing.Union, types.UnionType):
         options = [h for h in typing.get_args(hint) if h is not type(None)]
         return convert(value, options[0], where, problems)
+    if origin is typing.Literal:
+        problem = choice_problem(value, hint, where)
+        if problem:
+            problems.append(problem)
+            return _INVALID
+        return value
     if origin is list:
         (item_hint,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -250,3 +264,41 @@ def convert(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
         )
         return _INVALID
     return float(value) if hint is float else value
+
+
+def choice_problem(value: Any, hint: Any, where: str) -> str | None:
+    """The problem with `value` for a key typed `Literal[...]` of words, or None when it is one."""
+    options = typing.get_args(hint)
+    if isinstance(value, str) and value in options:
+        return None
+    close = did_you_mean(value, list(options)) if isinstance(value, str) else ""
+    return f"{where} = {value!r} is not one of {', '.join(map(repr, options))}{close}"
+
+
+def choice_problems(obj: Any, where: str = "") -> list[str]:
+    """Every Literal-typed key of the dataclass `obj` (and of the dataclasses inside it) whose
+    value is not one of its words: a config built in Python rather than from TOML is not checked
+    by `convert`, and a Literal is not enforced at run time."""
+    problems = []
+    for name, hint in typing.get_type_hints(type(obj)).items():
+        value, key = getattr(obj, name), f"{where}{name}"
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and value is None:
+            continue
+        hint = _without_none(hint)
+        if typing.get_origin(hint) is typing.Literal:
+            problem = choice_problem(value, hint, key)
+            problems += [problem] if problem else []
+        elif dataclasses.is_dataclass(value):
+            problems += choice_problems(value, f"{key}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    problems += choice_problems(item, f"{key}[{i}].")
+    return problems
+
+
+def _without_none(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [h for h in typing.get_args(hint) if h is not type(None)]
+        return options[0] if len(options) == 1 else hint
+    return hint

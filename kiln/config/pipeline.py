@@ -6,12 +6,19 @@ The rest of the stage arithmetic (which layers and ranks each stage gets) is in
 
 from __future__ import annotations
 
-from kiln.config.sections import DistributedConfig
+from typing import get_args
+
+from kiln.config.sections import (
+    DistributedConfig,
+    MultiStageSchedule,
+    PipelineSchedule,
+    SingleStageSchedule,
+)
 
 # Schedules that run one stage per rank, and those that run several (virtual stages).
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+SINGLE_STAGE_SCHEDULES = get_args(SingleStageSchedule)
+MULTI_STAGE_SCHEDULES = get_args(MultiStageSchedule)
+PP_SCHEDULES = get_args(PipelineSchedule)
 
 
 def num_stages(dist: DistributedConfig) -> int:

@@ -4,16 +4,45 @@ user gets by leaving a key out."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+# The keys that take one of a few words are typed by a Literal of those words: building a config
+# from TOML refuses any other (kiln/config/load.py, `convert`), and so does validation of a config
+# built in Python (`choice_problems`). At run time the values are plain strings.
 
 # The model families kiln builds (kiln/model/registry.py maps each to its folder; docs/models.md).
 # Llama covers Llama 3.x, Qwen3 dense, Mixtral and Qwen3-MoE: they differ by keys.
-MODEL_FAMILIES = ("llama",)
+ModelFamily = Literal["llama"]
+MODEL_FAMILIES = get_args(ModelFamily)
+RopeScaling = Literal["none", "llama3"]
+MoeRouter = Literal["softmax_topk", "sigmoid"]
+Device = Literal["auto", "cpu", "cuda"]
+MixedPrecision = Literal["bf16", "fp32", "fp8"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+Loss = Literal["cross_entropy", "chunked_cross_entropy"]
+Float8Recipe = Literal["tensorwise", "rowwise"]
+Float8HighPrecision = Literal["bf16", "fp32"]
+OptimizerName = Literal["adamw", "muon", "lion", "schedule_free_adamw"]
+MuonAdjustLr = Literal["original", "match_rms_adamw"]
+SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "none"]
+DataSource = Literal["demo", "prepared", "hf"]
+MixtureSource = Literal["prepared", "hf"]  # a dataset of a mixture: not the demo corpus
+GradReduce = Literal["per_micro_batch", "per_step"]
+# Pipeline schedules that run one stage per rank, and those that run several (virtual stages).
+SingleStageSchedule = Literal["gpipe", "1f1b"]
+MultiStageSchedule = Literal["interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
+PipelineSchedule = Literal[SingleStageSchedule, MultiStageSchedule]
+AsyncMode = Literal["disabled", "async"]
+ResumeMode = Literal["auto", "never", "force"]
+ExportDtype = Literal["float32", "bfloat16", "float16"]
+NanAction = Literal["stop", "rollback"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclass
 class ModelConfig:
     # Which family's modules, parallel plan and Hugging Face adapters build the model.
-    family: str = "llama"
+    family: ModelFamily = "llama"
     preset: str = ""
     dim: int = 256
     n_layers: int = 4
@@ -28,7 +57,7 @@ class ModelConfig:
     rope_theta: float = 500000.0
     # "llama3": Llama 3.1's frequency scaling for contexts beyond rope_original_max_seq_len
     # (the factors below are Llama 3.1's; they apply only with "llama3").
-    rope_scaling: str = "none"
+    rope_scaling: RopeScaling = "none"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -50,7 +79,7 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     # "softmax_topk" or "sigmoid" scores; the chosen experts' scores, renormalized to sum 1
     # (moe_route_norm) and times moe_route_scale, weight their outputs.
-    moe_router: str = "softmax_topk"
+    moe_router: MoeRouter = "softmax_topk"
     moe_route_norm: bool = True
     moe_route_scale: float = 1.0
     # Group-limited routing (DeepSeek-V3): tokens only go to experts of their best topk_groups
@@ -94,12 +123,12 @@ class TrainConfig:
     stop_at_step: int = 0
     time_limit_minutes: float = 0.0
     seed: int = 0
-    device: str = "auto"
-    mixed_precision: str = "bf16"
-    activation_checkpointing: str = "none"
+    device: Device = "auto"
+    mixed_precision: MixedPrecision = "bf16"
+    activation_checkpointing: ActivationCheckpointing = "none"
     compile: bool = False
     grad_clip_norm: float = 1.0
-    loss: str = "cross_entropy"  # or "chunked_cross_entropy": the same loss, never all the logits
+    loss: Loss = "cross_entropy"  # or "chunked_cross_entropy": the same loss, never all the logits
     # Tokens whose logits the chunked loss holds at once (ignored by cross_entropy).
     loss_chunk_tokens: int = 2048
     z_loss_weight: float = 0.0
@@ -112,12 +141,12 @@ class Float8Config:
 
     # "tensorwise": one scale per tensor (fastest; float8 all-gathers under FSDP and TP);
     # "rowwise": one scale per row (more accurate, for outliers).
-    recipe: str = "tensorwise"
+    recipe: Float8Recipe = "tensorwise"
     # tensorwise under FSDP: gather the weights already cast to float8 (half of bf16's bytes).
     fsdp_float8_all_gather: bool = False
     # What the rest computes in: "bf16", or "fp32" to see float8's own error alone (numerics
     # checks; the parity tests compare layouts this way).
-    high_precision: str = "bf16"
+    high_precision: Float8HighPrecision = "bf16"
     # Linear layers kept out of float8 besides the output head and the MoE routers, by name: "wo"
     # keeps every attention output projection, "layers.0" the whole first block.
     keep_high_precision: list[str] = field(default_factory=list)
@@ -137,7 +166,7 @@ class AdamWGroupConfig:
 @dataclass
 class OptimizerConfig:
     # adamw, muon (matrices; AdamW for the rest), lion, schedule_free_adamw.
-    name: str = "adamw"
+    name: OptimizerName = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -147,7 +176,7 @@ class OptimizerConfig:
     momentum: float | None = None
     nesterov: bool | None = None
     ns_steps: int | None = None
-    adjust_lr: str | None = None
+    adjust_lr: MuonAdjustLr | None = None
     # Each matrix orthogonalized by one owner rank that sends it on (true), or by every rank
     # holding it (false).
     owner_compute: bool | None = None
@@ -156,7 +185,7 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: str = "cosine"
+    name: SchedulerName = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     decay_ratio: float = 0.2
@@ -167,7 +196,7 @@ class DatasetSource:
     """One `[[data.datasets]]` entry of a mixture; the same source keys as [data] itself."""
 
     name: str = ""
-    source: str = "prepared"
+    source: MixtureSource = "prepared"
     path: str = ""
     weight: float = 1.0
     text_key: str = "text"
@@ -188,7 +217,7 @@ class DataPhase:
 @dataclass
 class DataConfig:
     # One dataset: source/path (and text_key/split/streaming for "hf"). A mixture: `datasets`.
-    source: str = "demo"
+    source: DataSource = "demo"
     path: str = "data/demo"
     tokenizer: str = ""
     text_key: str = "text"
@@ -238,11 +267,11 @@ class DistributedConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    grad_reduce: str = "per_micro_batch"
+    grad_reduce: GradReduce = "per_micro_batch"
     # FSDP: free each block's gathered parameters after its forward (True) or keep them until
     # its backward (False: one all-gather per block per step instead of two, ZeRO-2 memory).
     reshard_after_forward: bool = True
-    pp_schedule: str = "1f1b"
+    pp_schedule: PipelineSchedule = "1f1b"
     # 0: one sequence per micro-batch, i.e. train.batch_size micro-batches per pipeline pass.
     pp_microbatches: int = 0
     pp_virtual_stages: int = 1
@@ -259,17 +288,17 @@ class CheckpointConfig:
     interval: int = 0
     keep_last_n: int = 0
     save_final: bool = True
-    async_mode: str = "disabled"
-    resume: str = "auto"
+    async_mode: AsyncMode = "disabled"
+    resume: ResumeMode = "auto"
     load_path: str = ""
     model_only: bool = True
-    export_dtype: str = "float32"
+    export_dtype: ExportDtype = "float32"
 
 
 @dataclass
 class ResilienceConfig:
     nan_max_consecutive: int = 3
-    nan_action: str = "stop"
+    nan_action: NanAction = "stop"
     collective_timeout_s: float = 600.0
     step_timeout_s: float = 1800.0
     debug_nan_steps: list[int] = field(default_factory=list)
@@ -297,7 +326,7 @@ class MetricsConfig:
     wandb_entity: str = ""  # empty: your default entity
     # "online", "offline" (written to <run_dir>/wandb; `wandb sync` uploads it later), "disabled".
     # Online without a network warns once and continues offline.
-    wandb_mode: str = "online"
+    wandb_mode: WandbMode = "online"
 
 
 @dataclass

@@ -6,8 +6,6 @@ import importlib.util
 
 from kiln.config.sections import JobConfig
 
-WANDB_MODES = ("online", "offline", "disabled")
-
 
 def observability_problems(cfg: JobConfig, world_size: int) -> list[str]:
     return _backend_problems(cfg) + _profiling_problems(cfg, world_size)
@@ -25,11 +23,6 @@ def _backend_problems(cfg: JobConfig) -> list[str]:
         p.append(
             "metrics.wandb = true needs the wandb package, which is not installed: "
             "pip install 'kiln[wandb]' (or set metrics.wandb = false)"
-        )
-    if m.wandb_mode not in WANDB_MODES:
-        p.append(
-            f"metrics.wandb_mode = {m.wandb_mode!r} is not one of "
-            f"{', '.join(map(repr, WANDB_MODES))}"
         )
     if m.wandb and not m.wandb_project:
         p.append("metrics.wandb = true needs metrics.wandb_project (the W&B project to log to)")

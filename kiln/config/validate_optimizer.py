@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import get_args
 
-from kiln.config.sections import JobConfig
+from kiln.config.sections import JobConfig, MuonAdjustLr, OptimizerName
 
-OPTIMIZERS = ("adamw", "muon", "lion", "schedule_free_adamw")
+OPTIMIZERS = get_args(OptimizerName)
 MUON_KEYS = ("momentum", "nesterov", "ns_steps", "adjust_lr", "owner_compute")
-ADJUST_LR = ("original", "match_rms_adamw")
+ADJUST_LR = get_args(MuonAdjustLr)
 # The schedules Schedule-Free leaves the learning rate alone with (after scheduler.warmup_steps).
 SCHEDULE_FREE_SCHEDULES = ("constant", "none")
 
@@ -16,7 +17,7 @@ SCHEDULE_FREE_SCHEDULES = ("constant", "none")
 def optimizer_problems(cfg: JobConfig) -> list[str]:
     o, p = cfg.optimizer, []
     if o.name not in OPTIMIZERS:
-        return p  # reported with the other choices
+        return p  # reported with the other choices (config/load.py, `choice_problems`)
     adamw_keys = [f.name for f in fields(o.adamw) if getattr(o.adamw, f.name) is not None]
     if o.name != "muon":
         for key in [k for k in MUON_KEYS if getattr(o, k) is not None]:
@@ -46,10 +47,6 @@ def optimizer_problems(cfg: JobConfig) -> list[str]:
     if o.ns_steps is not None and not 1 <= o.ns_steps < 100:
         p.append(
             f"optimizer.ns_steps (Newton-Schulz iterations) must be in [1, 100), got {o.ns_steps}"
-        )
-    if o.adjust_lr is not None and o.adjust_lr not in ADJUST_LR:
-        p.append(
-            f"optimizer.adjust_lr = {o.adjust_lr!r} is not one of {', '.join(map(repr, ADJUST_LR))}"
         )
     a = o.adamw
     if a.lr is not None and a.lr <= 0:

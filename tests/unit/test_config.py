@@ -184,3 +184,19 @@ def test_a_removed_key_is_ignored_with_a_note(capsys):
     err = capsys.readouterr().err
     assert err.count("distributed.shared_memory_collectives was removed and is ignored") == 1
     assert "Delete it from the recipe" in err
+
+
+def test_a_word_outside_a_literal_key_is_one_problem_with_a_suggestion():
+    with pytest.raises(ConfigError) as error:
+        config_from_dict({"resilience": {"nan_action": "rollbak"}}, world_size=1)
+    assert "(1 problem)" in str(error.value)
+    assert (
+        "resilience.nan_action = 'rollbak' is not one of 'stop', 'rollback' "
+        "(did you mean 'rollback'?)"
+    ) in str(error.value)
+    # Overrides keep the text as written, and a config built in Python is checked by validate.
+    cfg = config_from_dict({}, ["--train.mixed_precision=fp32", "--checkpoint.resume=never"])
+    assert (cfg.train.mixed_precision, cfg.checkpoint.resume) == ("fp32", "never")
+    cfg.train.mixed_precision = "fp16"
+    with pytest.raises(ConfigError, match=r"train\.mixed_precision = 'fp16' is not one of 'bf16'"):
+        validate(cfg, 1)

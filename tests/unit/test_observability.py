@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from kiln.cli import main
 from kiln.config import load_config
 from kiln.config.validate import collect_problems
+from kiln.errors import ConfigError
 from kiln.metrics.backends import WANDB_ID_FILE, WandbBackend
 from kiln.metrics.logger import read_metrics, scalars
 from tests.conftest import DEBUG_CONFIG, REPO
@@ -137,7 +138,6 @@ def test_bad_observability_settings_are_named(monkeypatch):
             "--profiling.start_step=5",
             "--profiling.end_step=50",
             "--profiling.ranks=[0, 3]",
-            "--metrics.wandb_mode=online-ish",
         ],
     )
     problems = collect_problems(cfg, 2)
@@ -145,7 +145,13 @@ def test_bad_observability_settings_are_named(monkeypatch):
         "profiling steps 5..50 are not a range inside this run (steps 1..20)" in p for p in problems
     )
     assert any("profiling.ranks [3] are not ranks of a 2-process job" in p for p in problems)
-    assert any("metrics.wandb_mode = 'online-ish' is not one of" in p for p in problems)
+    # A word outside a Literal key's choices is refused while the config is built.
+    with pytest.raises(ConfigError, match=r"metrics\.wandb_mode = 'online-ish' is not one of"):
+        load_config(DEBUG_CONFIG, ["--metrics.wandb_mode=online-ish"])
+    cfg.metrics.wandb_mode = "online-ish"  # set in Python: validation refuses it
+    assert any(
+        "metrics.wandb_mode = 'online-ish' is not one of" in p for p in collect_problems(cfg, 2)
+    )
 
     import importlib.util
 
