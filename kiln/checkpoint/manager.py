@@ -10,6 +10,7 @@ rank 0 does not, and the two would wait for each other in a collective until the
 
 from __future__ import annotations
 
+import enum
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -33,14 +34,22 @@ from kiln.errors import ConfigError, KilnError
 from kiln.events import EventLog
 from kiln.parallel.agree import decide_on_main, is_main
 
-RESUME_FROM, CONTINUE, WARM_START, SCRATCH = "resume", "continue", "warm start", "scratch"
+
+class StartKind(enum.StrEnum):
+    """How an invocation starts. The value is what events.jsonl's "resume" event and the
+    pre-flight report write."""
+
+    RESUME = "resume"  # this run's newest intact checkpoint: weights, optimizer, data position
+    CONTINUE = "continue"  # checkpoint.load_path with model_only = false: all of its state
+    WARM_START = "warm start"  # checkpoint.load_path's weights only
+    SCRATCH = "scratch"
 
 
 @dataclass(frozen=True)
 class StartPoint:
-    """How this invocation starts: `kind` one of the four above, from `path` (None: scratch)."""
+    """How this invocation starts: `kind`, from `path` (None: scratch)."""
 
-    kind: str
+    kind: StartKind
     path: Path | None = None
     step: int = 0
     train_state: dict | None = None  # what a resume continues: data position, tokens seen
@@ -90,7 +99,7 @@ class CheckpointManager:
         with other settings, unless checkpoint.resume = 'force'), else checkpoint.load_path,
         else scratch. The newest saved step starts as the step resumed from."""
         start = decide_on_main(lambda: self._start_point(fingerprint), what="choose where to start")
-        self.last_saved_step = start.step if start.kind == RESUME_FROM else None
+        self.last_saved_step = start.step if start.kind is StartKind.RESUME else None
         return start
 
     def _start_point(self, fingerprint: dict[str, Any]) -> StartPoint:
@@ -107,15 +116,15 @@ class CheckpointManager:
             if newest is not None:
                 state = read_train_state(newest)
                 self._check_fingerprint(newest, state.get("fingerprint"), fingerprint)
-                return StartPoint(RESUME_FROM, newest, state["step"], state, tuple(skipped))
+                return StartPoint(StartKind.RESUME, newest, state["step"], state, tuple(skipped))
         if self.cfg.load_path:
             path = resolve_checkpoint(self.cfg.load_path)
             _check_same_model(path, self.model)
             if self.cfg.model_only:
-                return StartPoint(WARM_START, path)
+                return StartPoint(StartKind.WARM_START, path)
             state = read_train_state(path)
-            return StartPoint(CONTINUE, path, state["step"], state)
-        return StartPoint(SCRATCH)
+            return StartPoint(StartKind.CONTINUE, path, state["step"], state)
+        return StartPoint(StartKind.SCRATCH)
 
     def _check_fingerprint(self, path: Path, saved: dict | None, current: dict) -> None:
         if saved is not None and "model.num_experts" in saved:
@@ -168,14 +177,14 @@ class CheckpointManager:
     def restore(self, start: StartPoint, *, model: Modules, optimizer: Optimizers) -> dict | None:
         """Load what `start` names into the model (and optimizer, RNG); return the saved train
         state to continue from, or None for a warm start or scratch."""
-        if start.kind == SCRATCH:
+        if start.kind is StartKind.SCRATCH:
             return None
-        if start.kind == WARM_START:
+        if start.kind is StartKind.WARM_START:
             load_checkpoint(start.path, model=model)
             _say(f"initial weights from {start.path}")
             return None
         state = load_checkpoint(start.path, model=model, optimizer=optimizer, restore_rng=True)
-        where = "resumed from" if start.kind == RESUME_FROM else "continuing"
+        where = "resumed from" if start.kind is StartKind.RESUME else "continuing"
         _say(f"{where} {start.path} (step {state['step']}) in {self.dir}")
         skipped = [{"path": str(s.path), "reason": s.reason} for s in start.skipped]
         self.events.write(

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kiln.checkpoint.fingerprint import run_fingerprint
-from kiln.checkpoint.manager import SCRATCH, CheckpointManager
+from kiln.checkpoint.manager import CheckpointManager, StartKind
 from kiln.config import JobConfig, resolve_layout
 from kiln.config.sections import DatasetSource
 from kiln.data.sources import dataset_entries, open_data
@@ -79,7 +79,7 @@ def _checkpoint_notes(cfg: JobConfig, world_size: int) -> list[str]:
     global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
     start = checkpoints.start_point(run_fingerprint(cfg, global_batch=global_batch))
     check_stop_at_step(cfg, start.step)
-    if start.kind == SCRATCH:
+    if start.kind is StartKind.SCRATCH:
         return [f"checkpoints: a new run in {checkpoints.dir}"]
     return [f"checkpoints: {start.kind} from {start.path} (step {start.step})"]
 

@@ -170,7 +170,8 @@ def test_a_hard_stop_after_a_commit_resumes_from_the_previous_checkpoint(
     assert reason in err
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
     (resume,) = [e for e in read_events(tmp_path / "cut") if e["event"] == "resume"]
-    assert resume["step"] == 2 and resume["skipped"][0]["path"] == str(newest)
+    assert resume["step"] == 2 and resume["kind"] == "resume"
+    assert resume["skipped"][0]["path"] == str(newest)
     assert reason in resume["skipped"][0]["reason"]
 
 

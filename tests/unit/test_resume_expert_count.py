@@ -12,7 +12,7 @@ import torch
 
 import kiln.train.trainer
 from kiln.checkpoint.fingerprint import run_fingerprint
-from kiln.checkpoint.manager import RESUME_FROM, CheckpointManager
+from kiln.checkpoint.manager import CheckpointManager, StartKind
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.events import EventLog
@@ -77,7 +77,7 @@ def test_the_same_expert_count_leaves_force_as_it_was(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"optimizer.lr: 0.0003 -> 0.001.*resume=force"):
         _start(_job(tmp_path, 8, lr=1e-3))
     start = _start(_job(tmp_path, 8, "force", lr=1e-3))
-    assert start.kind == RESUME_FROM and start.step == 4
+    assert start.kind is StartKind.RESUME and start.step == 4
     assert "optimizer.lr" in capsys.readouterr().err
 
 
@@ -86,7 +86,7 @@ def test_a_fingerprint_without_the_expert_count_is_not_refused_for_it(tmp_path):
     saved = run_fingerprint(_job(tmp_path, 8), global_batch=8)
     del saved["model.num_experts"]
     _fake_checkpoint(tmp_path, saved)
-    assert _start(_job(tmp_path, 4, "force")).kind == RESUME_FROM
+    assert _start(_job(tmp_path, 4, "force")).kind is StartKind.RESUME
 
 
 def test_a_trainer_refuses_before_building_the_model(debug_overrides, monkeypatch):
