@@ -11,7 +11,6 @@ rank 0 does not, and the two would wait for each other in a collective until the
 from __future__ import annotations
 
 import enum
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from kiln.checkpoint.state import Modules, Optimizers
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.events import EventLog
+from kiln.log import info, warn
 from kiln.parallel.agree import decide_on_main, is_main
 
 
@@ -106,7 +106,7 @@ class CheckpointManager:
         if self.cfg.resume != "never":
             newest, skipped = resume_candidates(self.dir)
             for passed in skipped:
-                _warn(passed.message())
+                warn(passed.message())
             if newest is None and complete_steps(self.dir):
                 found = "".join(f"\n  - {passed.path}: {passed.reason}" for passed in skipped)
                 raise KilnError(
@@ -152,7 +152,7 @@ class CheckpointManager:
                 "Resuming would mix two runs: use a new metrics.run_dir (or checkpoint.dir), or "
                 "pass --checkpoint.resume=force to continue with the new settings anyway"
             )
-        _warn(f"checkpoint.resume = 'force': continuing {path} with changes: {listing}")
+        warn(f"checkpoint.resume = 'force': continuing {path} with changes: {listing}")
 
     def _batch_hint(self, saved: int, current: int) -> str:
         """How to keep the run's global batch on this number of data ranks."""
@@ -335,10 +335,7 @@ def _check_writable(directory: Path) -> None:
         ) from None
 
 
-def _warn(message: str) -> None:
-    print(f"kiln: {message}", file=sys.stderr, flush=True)
-
-
 def _say(message: str) -> None:
+    """Rank 0 tells where the run starts from, on stdout with its progress."""
     if is_main():
-        print(f"kiln: {message}", flush=True)
+        info(message, stdout=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import sys
 import tomllib
 import types
 import typing
@@ -14,6 +13,7 @@ from typing import Any
 
 from kiln.config.sections import JobConfig
 from kiln.errors import ConfigError
+from kiln.log import info, warn
 
 # Presets and recipes ship inside the package (`kiln/configs`); in a source checkout that folder
 # is a link to `configs/` at the repository root, so both read the same files.
@@ -70,10 +70,7 @@ def find_recipe(path: str | Path) -> Path:
             f"shipped with kiln: {known})"
         )
     if os.environ.get("RANK", "0") == "0":
-        print(
-            f"kiln: {given} is not here; using the one shipped with kiln: {shipped}",
-            file=sys.stderr,
-        )
+        info(f"{given} is not here; using the one shipped with kiln: {shipped}")
     return shipped
 
 
@@ -210,10 +207,9 @@ def _removed(key: str) -> bool:
         return False
     if key not in _noted:
         _noted.add(key)
-        print(
-            f"kiln: note: {key} was removed and is ignored: {REMOVED_KEYS[key]}. "
-            "Delete it from the recipe (an older checkpoint's config.toml may keep it).",
-            file=sys.stderr,
+        warn(
+            f"note: {key} was removed and is ignored: {REMOVED_KEYS[key]}. "
+            "Delete it from the recipe (an older checkpoint's config.toml may keep it)."
         )
     return True
 

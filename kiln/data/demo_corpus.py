@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 import sysconfig
 import tempfile
 from pathlib import Path
 
 from kiln.data.shards import INDEX_FILE, DatasetExistsError, ShardWriter
 from kiln.data.tokenizer import encode_ids, train_bpe_tokenizer
+from kiln.log import info
 
 DEMO_MAX_BYTES = 8 * 2**20
 # Tests would bias the corpus towards assertion boilerplate; encodings and pydoc_data are tables
@@ -38,7 +38,7 @@ def ensure_demo_corpus(
     path = Path(path)
     if (path / INDEX_FILE).is_file():
         return path
-    print(f"kiln: building the demo corpus (Python stdlib sources) in {path}", file=sys.stderr)
+    info(f"building the demo corpus (Python stdlib sources) in {path}")
     texts = stdlib_texts(max_bytes)
     tokenizer = train_bpe_tokenizer(texts, vocab_size)
     with tempfile.TemporaryDirectory() as tmp:

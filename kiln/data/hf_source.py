@@ -25,6 +25,7 @@ from kiln.data.shards import ShardWriter
 from kiln.data.tokenize import batched_texts, tokenize_batches
 from kiln.data.tokenizer import encode_ids, eos_id, load_tokenizer, tokenizer_hash
 from kiln.errors import KilnError
+from kiln.log import info
 
 ENCODE_BATCH = 256
 
@@ -54,7 +55,7 @@ def prepare_hf_cache(entry: DatasetSource, *, tokenizer_path: str, cache_dir: Pa
     dataset = open_hf_dataset(entry.path, entry.split)
     check_text_column(dataset, entry.text_key, entry.path)
     texts = (text for text in dataset_texts(dataset, entry.text_key) if text)
-    print(f"kiln: tokenizing {entry.path} ({entry.split}) into {output}", flush=True)
+    info(f"tokenizing {entry.path} ({entry.split}) into {output}", stdout=True)
     with ShardWriter(output, tokenizer_path) as writer:
         for documents, _ in tokenize_batches(
             batched_texts(texts), tokenizer_path, writer.dtype, workers=os.cpu_count() or 1

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kiln.errors import ConfigError, KilnError, first_line
+from kiln.log import warn
 
 # The harness's default seed for few-shot examples, numpy and torch (lm_eval.defaults.
 # DEFAULT_OTHER_SEED): the same prompts as `lm-eval run` builds.
@@ -81,10 +82,9 @@ def use_cache_when_offline() -> bool:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     if hub_reachable(endpoint):
         return False
-    print(
-        f"kiln: the Hugging Face Hub ({endpoint}) cannot be reached: the tasks' datasets are "
-        "read from the local cache only",
-        file=sys.stderr,
+    warn(
+        f"the Hugging Face Hub ({endpoint}) cannot be reached: the tasks' datasets are "
+        "read from the local cache only"
     )
     go_offline()
     return True

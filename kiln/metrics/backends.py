@@ -18,7 +18,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from kiln.config import JobConfig, to_toml
-from kiln.metrics.logger import warn
+from kiln.log import warn
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+# Messages go through kiln.log; `warn` stays importable from here only until
+# kiln/train/trainer.py and kiln/train/moe_step.py import it from kiln.log.
+from kiln.log import warn as warn
 
 if TYPE_CHECKING:
     from kiln.metrics.backends import Backend
@@ -127,7 +130,3 @@ def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
-
-
-def warn(message: str) -> None:
-    print(f"kiln: {message}", file=sys.stderr, flush=True)

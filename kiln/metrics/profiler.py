@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kiln.config import JobConfig
-from kiln.metrics.logger import warn
+from kiln.log import warn
 
 PROFILE_DIR = "profile"
 # Allocation events kept by the CUDA memory history: enough for a few steps of a large model.

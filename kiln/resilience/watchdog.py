@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 
+from kiln.log import warn
 from kiln.resilience.exit_codes import HUNG
 
 
@@ -57,12 +58,10 @@ class StepWatchdog:
                 self._fire()
 
     def _fire(self) -> None:
-        print(
-            f"kiln: rank {self.rank}: step {self._step} has run for more than "
+        warn(
+            f"rank {self.rank}: step {self._step} has run for more than "
             f"{self.timeout_s:g} s (resilience.step_timeout_s); the stacks of all threads "
-            f"follow, then this process exits with code {HUNG}",
-            file=sys.stderr,
-            flush=True,
+            f"follow, then this process exits with code {HUNG}"
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
