@@ -17,7 +17,9 @@ from kiln.errors import ConfigError
 from tests.conftest import DEBUG_CONFIG, REPO
 
 EP_RECIPE = REPO / "configs" / "train" / "moe_ep_32gpu.toml"
-MOE_PRESETS = "debug_moe, deepseek_moe_16b_like, mixtral_8x7b, moe_4b, qwen3_moe_30b_a3b_like"
+MOE_PRESETS = (
+    "debug_moe, deepseek_moe_16b_like, mixtral_8x7b, moe_4b, qwen3_235b_a22b, qwen3_30b_a3b"
+)
 
 
 def _problems(world_size: int, ep: int, **model) -> list[str]:
@@ -74,7 +76,7 @@ def test_ep_must_divide_the_experts(experts, ep, choices):
 
 
 def test_ep_must_divide_a_preset_expert_count():
-    (message,) = _preset_problems("qwen3_moe_30b_a3b_like", 12, ep=3, tp=4, dp_shard=1)
+    (message,) = _preset_problems("qwen3_30b_a3b", 12, ep=3, tp=4, dp_shard=1)
     assert "distributed.ep = 3 must divide model.num_experts = 128" in message
     assert "choose distributed.ep from 1, 2, 4, 8, 16, 32, 64, 128 (nearest: 2 or 4)" in message
 

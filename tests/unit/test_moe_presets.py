@@ -9,13 +9,15 @@ from kiln.model import count_params, flops_per_token
 from tests.conftest import REPO
 
 # Preset -> (total, active) parameters in billions, to 0.01B: the published sizes where the
-# preset is the published shape (Mixtral 46.7B / 12.9B, DeepSeekMoE-16B 16.4B / 2.8B).
+# preset is the published shape (Mixtral 46.7B / 12.9B, DeepSeekMoE-16B 16.4B / 2.8B; Qwen3-30B-A3B
+# 30.5B / 3.3B and Qwen3-235B-A22B 235B / 22B: tests/unit/test_qwen3_presets.py).
 SIZES = {
     "debug_moe": (0.0017, 0.0014),
     "mixtral_8x7b": (46.70, 12.88),
     "moe_4b": (4.40, 1.68),
     "deepseek_moe_16b_like": (16.38, 2.83),
-    "qwen3_moe_30b_a3b_like": (30.13, 2.95),
+    "qwen3_30b_a3b": (30.53, 3.35),
+    "qwen3_235b_a22b": (235.09, 22.19),
 }
 
 
@@ -38,9 +40,11 @@ def test_fine_grained_preset_routes_like_deepseek_v3():
     assert [m.is_moe_layer(i) for i in range(3)] == [False, True, True]
 
 
-def test_qwen3_like_preset_keeps_the_released_head_and_kv_shape():
-    m = preset("qwen3_moe_30b_a3b_like").model
-    assert (m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim, m.qk_norm) == (128, 512, True)
+def test_qwen3_30b_a3b_preset_has_the_released_head_and_kv_shape():
+    # 32 query heads of 128 on dim 2048 (queries twice as wide as the model), 4 KV heads.
+    m = preset("qwen3_30b_a3b").model
+    assert (m.n_heads, m.resolved_head_dim, m.n_kv_heads, m.qk_norm) == (32, 128, 4, True)
+    assert (m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim) == (4096, 512)
 
 
 def test_moe_flops_per_token_equal_a_dense_model_with_the_same_active_parameters():
