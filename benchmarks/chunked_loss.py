@@ -62,9 +62,8 @@ def step_fn(variant: str, model, inputs, labels, precision: str) -> Callable[[],
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def step() -> None:
-        model.applies_head = chunk is None
         with autocast:
-            output = model(inputs)
+            output = model(inputs, apply_head=chunk is None)
             if chunk is None:
                 loss = token_loss_sum(output, labels)
             else:

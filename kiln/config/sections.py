@@ -12,8 +12,8 @@ from typing import Literal, get_args
 
 # The model families kiln builds (kiln/model/registry.py maps each to its folder; docs/models.md).
 # Llama covers Llama 3.x, Qwen3 dense, Mixtral and Qwen3-MoE: they differ by keys.
-ModelFamily = Literal["llama"]
-MODEL_FAMILIES = get_args(ModelFamily)
+ModelFamilyName = Literal["llama"]
+MODEL_FAMILIES = get_args(ModelFamilyName)
 RopeScaling = Literal["none", "llama3"]
 MoeRouter = Literal["softmax_topk", "sigmoid"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -42,7 +42,7 @@ WandbMode = Literal["online", "offline", "disabled"]
 @dataclass
 class ModelConfig:
     # Which family's modules, parallel plan and Hugging Face adapters build the model.
-    family: ModelFamily = "llama"
+    family: ModelFamilyName = "llama"
     preset: str = ""
     dim: int = 256
     n_layers: int = 4

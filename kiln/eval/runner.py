@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,7 +75,7 @@ class ModelRunner:
         if self.lockstep:
             stop = self._agreed(stop)
         if self.kv_cache:
-            with self._head_applied(), self.autocast:
+            with self.autocast:
                 return generate(self.model, prompt, max_new_tokens=max_new_tokens, stop=stop)
         new: list[int] = []
         while len(new) < max_new_tokens and len(prompt) + len(new) <= self.max_length:
@@ -95,19 +95,10 @@ class ModelRunner:
         tokens = torch.zeros((len(rows), length), dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row)
-        with self._head_applied(), self.autocast:
+        with self.autocast:
             logits = self.model(tokens.to(self.device))
         # Tensor parallel leaves the logits split over the vocabulary (loss parallel).
         return logits.full_tensor() if isinstance(logits, DTensor) else logits
-
-    @contextlib.contextmanager
-    def _head_applied(self) -> Iterator[None]:
-        """The chunked loss has the model end at the final norm; scoring needs the logits."""
-        applied, self.model.applies_head = self.model.applies_head, True
-        try:
-            yield
-        finally:
-            self.model.applies_head = applied
 
 
 def load_whole_model(

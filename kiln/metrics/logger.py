@@ -10,10 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Messages go through kiln.log; `warn` stays importable from here only until
-# kiln/train/trainer.py and kiln/train/moe_step.py import it from kiln.log.
-from kiln.log import warn as warn
-
 if TYPE_CHECKING:
     from kiln.metrics.backends import Backend
 

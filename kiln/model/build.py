@@ -13,7 +13,7 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta") -> nn.
     """`cfg`'s family builds the model, on the meta device unless told otherwise: no memory is
     allocated until `materialize`."""
     with torch.device(device):
-        return family_of(cfg).build(cfg)
+        return family_of(cfg).build(cfg, None)
 
 
 def materialize(model: nn.Module, *, device: torch.device | str, seed: int | None) -> nn.Module:

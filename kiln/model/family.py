@@ -18,6 +18,7 @@ from kiln.config.sections import ModelConfig
 if TYPE_CHECKING:
     from torch import nn
 
+    from kiln.model.forward_args import StageRole
     from kiln.model.parallel_plan import ParallelPlan
 
 
@@ -95,8 +96,11 @@ class ModelFamily:
     """A model family: how to build, parallelize, convert and count it."""
 
     name: str
-    # The whole model on the current default device (kiln/model/build.py puts it on meta).
-    build: Callable[[ModelConfig], nn.Module]
+    # The whole model, or one pipeline stage's part of it, on the current default device
+    # (kiln/model/build.py puts it on meta). Its forward takes the arguments the Llama family's
+    # does (kiln/model/llama/model.py) and it has `stage`, `init_buffers()`, `init_weights(seed)`
+    # and `head_weight()`.
+    build: Callable[[ModelConfig, StageRole | None], nn.Module]
     parallel_plan: Callable[[ModelConfig], ParallelPlan]
     # One per Hugging Face architecture this family converts.
     hf_adapters: tuple[HfAdapter, ...]

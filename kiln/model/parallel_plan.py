@@ -43,8 +43,8 @@ class ParallelPlan:
     # Mixture-of-Experts layers of one block, by path: modules with a `dispatcher` (the
     # `LocalDispatcher` interface) and stacked `experts`, which expert parallel splits over ep.
     block_moe: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
-    # Attention layers of one block, by path: modules whose `context_parallel` context parallel
-    # sets, to gather the keys and values of the sequence's other parts. None named: the family
+    # Attention layers of one block, by path: modules whose forward takes `context_parallel` and
+    # gathers the keys and values of the sequence's other parts with it. None named: the family
     # cannot run context parallel.
     block_attention: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
     # Linear layers FP8 keeps in high precision, by name or name segment (kiln/parallel/float8.py).

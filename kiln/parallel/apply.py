@@ -21,7 +21,7 @@ from kiln.model.registry import family_of
 from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
 from kiln.parallel.all_to_all_stats import AllToAllStats
 from kiln.parallel.compile import compile_blocks
-from kiln.parallel.context_parallel import ContextParallel, apply_context_parallel
+from kiln.parallel.context_parallel import check_context_parallel
 from kiln.parallel.expert_parallel import apply_expert_parallel
 from kiln.parallel.float8 import convert_to_float8
 from kiln.parallel.fsdp import apply_fsdp
@@ -41,16 +41,13 @@ def apply_parallelism(
     sequence_units = any(plan.block_sequence_units(b) for b in getattr(model, plan.blocks).values())
     degrees = parallel.degrees if parallel is not None else {"pp": 1, "tp": 1, "ep": 1, "cp": 1}
     pipelined = degrees["pp"] > 1
-    parts = (
-        split_into_stages(model, cfg, parallel.mesh.get_local_rank("pp")) if pipelined else [model]
-    )
+    parts = split_into_stages(cfg, parallel.mesh.get_local_rank("pp")) if pipelined else [model]
     fsdp_mesh = parallel.fsdp_mesh() if parallel is not None else None
     # Units tensor parallel leaves whole (MoE) are sharded over the data and tp ranks.
     sequence_mesh = _sequence_mesh(parallel) if sequence_units else None
     expert_mesh = parallel.expert_fsdp_mesh() if degrees["ep"] > 1 else None
     # One per rank, shared by the dispatchers of all its stages: what the exchanges moved.
     all_to_all_stats = AllToAllStats(parallel.device) if degrees["ep"] > 1 else None
-    context = ContextParallel(parallel.cp_mesh()) if degrees["cp"] > 1 else None
     sharded = fsdp_mesh is not None or sequence_mesh is not None
     shard = partial(
         apply_fsdp,
@@ -75,8 +72,8 @@ def apply_parallelism(
             apply_tensor_parallel(part, plan, parallel.mesh["tp"], float8=_float8_styles(cfg))
         if degrees["ep"] > 1:
             apply_expert_parallel(part, plan, parallel.ep_mesh(), all_to_all_stats)
-        if context is not None:
-            apply_context_parallel(part, plan, context)
+        if degrees["cp"] > 1:
+            check_context_parallel(part, plan)
         apply_activation_checkpointing(part, plan, cfg.train.activation_checkpointing)
         if cfg.train.compile:
             compile_blocks(part, plan, communicating=degrees["tp"] > 1 or degrees["cp"] > 1)

@@ -10,7 +10,8 @@ Attention needs every key: each layer all-gathers its post-RoPE keys and values 
 collective for both; autograd turns it into a reduce-scatter in backward) and attends with its
 local queries under a mask built from global positions and document ids. The model applies RoPE
 at the global positions `shard_batch` adds to its inputs, and gathers those positions and the
-document ids once per forward to build the mask for every layer.
+document ids once per forward to build the mask for every layer. The training step passes a
+`ContextParallel` to the model's forward (`context_parallel=`), which hands it to its layers.
 
 cp ranks hold different tokens, so their gradients are summed like data ranks' (FSDP shards over
 dp_shard × ep × cp, see mesh.py) and their valid tokens join the loss's global count.
@@ -98,11 +99,12 @@ class ContextParallel:
         return torch.cat(parts, dim=1)
 
 
-def apply_context_parallel(model: nn.Module, plan: ParallelPlan, context: ContextParallel) -> None:
-    """Hand `context` to the model (it builds the mask from the gathered positions) and to every
-    attention layer the plan names (they gather keys and values)."""
+def check_context_parallel(model: nn.Module, plan: ParallelPlan) -> None:
+    """The family's attention gathers the other parts of the sequence (its forward takes
+    `context_parallel`, which the training step passes); a plan that names no attention layer
+    says it cannot."""
     layers = [
-        block.get_submodule(path)
+        path
         for block in getattr(model, plan.blocks).values()
         for path in plan.block_attention(block)
     ]
@@ -111,6 +113,3 @@ def apply_context_parallel(model: nn.Module, plan: ParallelPlan, context: Contex
             f"{type(model).__name__} names no attention layer for context parallel in its plan; "
             "set distributed.cp = 1"
         )
-    model.context_parallel = context
-    for layer in layers:
-        layer.context_parallel = context

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ class ForwardBackward:
         self.schedule = None
         if parallel.degrees["pp"] > 1:
             self.schedule = build_schedule(model_parts, cfg, parallel, loss_fn=self._stage_loss)
-            self.first_stage = any(part.embeds_input for part in model_parts)
+            self.first_stage = any(part.stage.first for part in model_parts)
         self._sums: dict[int, torch.Tensor] = {}
         self._scale = torch.ones(())
 
@@ -53,18 +54,20 @@ class ForwardBackward:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         kwargs: dict[str, torch.Tensor],
+        options: dict[str, Any],
         *,
         scale: torch.Tensor | None,
     ) -> torch.Tensor:
         """Token-loss sum of the batch (per sequence when split by dataset), after the backward
         of sum · scale; `scale` None: forward only (eval). `kwargs`: the model's per-sequence
-        arguments (document ids, positions), shaped (batch, seq) like the inputs."""
+        arguments (document ids, positions), shaped (batch, seq) like the inputs; `options`: its
+        other arguments, the same for every sequence (see the family's forward)."""
         if self.schedule is not None:
-            return self._pipelined(inputs, labels, kwargs, scale=scale)
+            return self._pipelined(inputs, labels, kwargs, options, scale=scale)
         with self.loss_context():
             # The loss too: the chunked loss runs the output head (cross entropy is fp32 anyway).
             with self.autocast, record_function("forward"):
-                output = self.model_parts[0](inputs, **kwargs)
+                output = self.model_parts[0](inputs, **kwargs, **options)
                 losses = self.loss_fn(output, labels)
             # The backward needs what the loss saved, not the logits: holding them would keep a
             # logits-sized buffer alive through the backward's peak.
@@ -79,10 +82,12 @@ class ForwardBackward:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         kwargs: dict[str, torch.Tensor],
+        options: dict[str, Any],
         *,
         scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One batch through the schedule, which splits it into micro-batches."""
+        """One batch through the schedule, which splits it into micro-batches (and hands every
+        micro-batch the same `options`: the schedule replicates what is not a tensor)."""
         self._sums.clear()
         self._scale = scale if scale is not None else torch.ones((), device=self.device)
         losses: list[torch.Tensor] = []
@@ -99,6 +104,7 @@ class ForwardBackward:
                 losses=losses,
                 return_outputs=False,
                 **{name: value.contiguous() for name, value in kwargs.items()},
+                **options,
             )
         if not losses:
             return torch.zeros(labels.shape[:1] if self.per_row else (), device=self.device)

@@ -1,13 +1,13 @@
 """Pipeline parallel on `torch.distributed.pipelining`: stage modules, the schedule, tied weights.
 
-Each stage is the model with the other stages' layers deleted, so parameter names are those of
-the unsplit model and checkpoints move between pipelined and unpipelined layouts. Stages after
-the first take hidden states instead of tokens; stages before the last return hidden states.
+Each stage is the model's family building one part of it (kiln/model/forward_args.py, StageRole):
+its blocks under their whole-model names, so checkpoints move between pipelined and unpipelined
+layouts. Stages after the first take hidden states instead of tokens; stages before the last
+return hidden states.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import JobConfig
+from kiln.model.forward_args import StageRole
 from kiln.model.registry import family_of
 from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.pipeline_split import (
@@ -37,25 +38,16 @@ SCHEDULES = {
 }
 
 
-def split_into_stages(model: nn.Module, cfg: JobConfig, pp_rank: int) -> list[nn.Module]:
-    """The stages `pp_rank` runs, built from `model` (still on the meta device, so copying is free)."""
-    plan = family_of(cfg.model).parallel_plan(cfg.model)
-    dist_cfg, last = cfg.distributed, num_stages(cfg.distributed) - 1
+def split_into_stages(cfg: JobConfig, pp_rank: int) -> list[nn.Module]:
+    """The stages `pp_rank` runs, each built by the model's family on the meta device with its
+    blocks and its role (first stage, last stage)."""
+    family, dist_cfg, last = family_of(cfg.model), cfg.distributed, num_stages(cfg.distributed) - 1
     parts = []
     for stage in stages_of_rank(dist_cfg, pp_rank):
-        part = copy.deepcopy(model)
-        blocks = getattr(part, plan.blocks)
-        keep = {str(i) for i in stage_layers(dist_cfg, cfg.model.n_layers, stage)}
-        for name in [n for n in blocks if n not in keep]:
-            del blocks[name]
-        part.embeds_input = stage == 0
-        for name in {*plan.first_stage, *plan.last_stage}:
-            held = (stage == 0 and name in plan.first_stage) or (
-                stage == last and name in plan.last_stage
-            )
-            if not held:
-                setattr(part, name, None)
-        parts.append(part)
+        layers = tuple(stage_layers(dist_cfg, cfg.model.n_layers, stage))
+        role = StageRole(layers, first=stage == 0, last=stage == last)
+        with torch.device("meta"):
+            parts.append(family.build(cfg.model, role))
     return parts
 
 
@@ -100,7 +92,7 @@ class TiedEmbedding:
         held = [(part, _held(part, name)) for part in parts] if name is not None else []
         self.copies = [weight for _, weight in held if weight is not None]
         # The last stage's copy: clipped like the other, counted once in the gradient norm.
-        self.duplicates = [w for part, w in held if w is not None and not part.embeds_input]
+        self.duplicates = [w for part, w in held if w is not None and not part.stage.first]
         self.group = _first_last_stage_group(cfg, parallel)
 
     @torch.no_grad()

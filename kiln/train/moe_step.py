@@ -13,12 +13,11 @@ from torch import nn
 
 from kiln.config import JobConfig
 from kiln.data.loader import StepBatch
+from kiln.log import warn
 from kiln.metrics.idle_experts import IdleExperts
-from kiln.metrics.logger import warn
 from kiln.metrics.moe_records import MoEStep, moe_layer_names, moe_records
 from kiln.model.moe import (
     AuxLossScale,
-    set_aux_loss_scale,
     take_aux_loss_sums,
     update_expert_biases,
 )
@@ -54,6 +53,7 @@ class MoEBalancing(StepHook):
         # Each rank's loads are its token group's sums: one rank of each group says it.
         self.says_idle = self.token_group is None or dist.get_rank(self.token_group) == 0
         self.step: MoEStep | None = None
+        self.scale: AuxLossScale | None = None
 
     def before_step(
         self, batch: StepBatch, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -68,15 +68,16 @@ class MoEBalancing(StepHook):
         sequence-wise loss counts whole sequences: summed over the cp and tp ranks."""
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.data_ranks
         sequences = sum(inputs.shape[0] for inputs, _ in micro_batches) * self.data_ranks
-        scale = AuxLossScale(
+        self.scale = AuxLossScale(
             per_token=self.grad_scale / tokens,
             per_sequence=self.grad_scale / sequences,
             reduce_counts=_sum_over(self.token_group),
             reduce_sequence_counts=_sum_over(self.sequence_group),
         )
-        for part in self.model_parts:
-            set_aux_loss_scale(part, scale)
         self.step = MoEStep(None, None, tokens=tokens, sequences=sequences)
+
+    def forward_kwargs(self) -> dict[str, AuxLossScale]:
+        return {"moe_scale": self.scale} if self.scale is not None else {}
 
     def after_update(self, *, skipped: bool) -> None:
         """Move the expert biases by the step's loads summed over the token group (the same

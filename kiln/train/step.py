@@ -92,9 +92,7 @@ class TrainStep:
         # pipeline stage) ends at the final norm. FSDP keeps the head gathered from the root
         # unit's forward to its backward (kiln/parallel/fsdp.py), when the loss reads it.
         self.chunked = cfg.train.loss == "chunked_cross_entropy"
-        for part in model_parts:
-            part.applies_head = not self.chunked
-        self.head_part = next((part for part in model_parts if part.norm is not None), None)
+        self.head_part = next((part for part in model_parts if part.stage.last), None)
         self.forward_backward = ForwardBackward(
             model_parts,
             cfg,
@@ -112,6 +110,8 @@ class TrainStep:
         # Context parallel: this rank keeps its chunks of every sequence it reads.
         cp_mesh = parallel.cp_mesh()
         self.context = ContextParallel(cp_mesh) if cp_mesh is not None else None
+        # The model's forward arguments every call of the job shares.
+        self.forward_options = {"apply_head": not self.chunked, "context_parallel": self.context}
 
     def __call__(self, batch: StepBatch, *, step: int, flags: StepFlags) -> StepResult:
         """Step number `step` (1-based) over `batch`; `flags` are this rank's."""
@@ -127,10 +127,14 @@ class TrainStep:
         valid = sum(count_valid(labels) for _, labels, _ in micro_batches)
         valid = sum_over(valid, self.parallel.data_group()).clamp(min=1)
         total = torch.zeros((), device=self.device)
+        options = self.forward_options | {
+            k: v for h in self.hooks for k, v in h.forward_kwargs().items()
+        }
         for index, (inputs, labels, kwargs) in enumerate(micro_batches):
             if self.defer_grad_reduce:
                 self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
-            losses = self.forward_backward(inputs, labels, kwargs, scale=self.grad_scale / valid)
+            scale = self.grad_scale / valid
+            losses = self.forward_backward(inputs, labels, kwargs, options, scale=scale)
             total += losses.sum()
             for hook in self.hooks:
                 hook.after_backward(index, losses, labels)
@@ -252,7 +256,7 @@ class TrainStep:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-loss sums and valid tokens of this rank's part of an eval batch."""
         inputs, labels, kwargs = self._prepare(inputs, labels)
-        losses = self.forward_backward(inputs, labels, kwargs, scale=None)
+        losses = self.forward_backward(inputs, labels, kwargs, self.forward_options, scale=None)
         return losses, count_valid(labels)
 
     def _prepare(

@@ -1,9 +1,11 @@
-"""What a feature adds to the dense training step (kiln/train/step.py), through four calls:
-before the step, after each micro-batch's backward, after the update, and the records of a
-logged step. The step calls its hooks in order; every rank holds the same hooks, so the
+"""What a feature adds to the dense training step (kiln/train/step.py): calls before the step,
+after each micro-batch's backward, after the update, and the records of a logged step, and the
+arguments it gives the model's forward. The step calls its hooks in order; every rank holds the same hooks, so the
 collectives they run line up."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,10 @@ class StepHook:
         self, batch: StepBatch, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
         """Before any forward; `micro_batches` are this rank's, as read (whole sequences)."""
+
+    def forward_kwargs(self) -> dict[str, Any]:
+        """Arguments this feature gives the model's forward in the step (after `before_step`)."""
+        return {}
 
     def after_backward(self, index: int, losses: torch.Tensor, labels: torch.Tensor) -> None:
         """After micro-batch `index`'s backward, with its token-loss sums and its labels."""

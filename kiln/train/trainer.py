@@ -18,9 +18,9 @@ from kiln.data.loader import BatchLoader
 from kiln.data.sources import ensure_local_data, open_data, training_tokenizer
 from kiln.errors import KilnError, first_line
 from kiln.events import EventLog
+from kiln.log import warn
 from kiln.metrics.backends import open_backends
 from kiln.metrics.layout_report import startup_summary
-from kiln.metrics.logger import warn
 from kiln.metrics.plot import redraw_loss_curve
 from kiln.metrics.profiler import StepProfiler
 from kiln.metrics.step_records import StepLog, run_summary

@@ -32,12 +32,11 @@ def step_peak(model: torch.nn.Module, tokens: torch.Tensor, *, chunked: bool) ->
     """(peak bytes the step adds, loss) of one forward and backward in bf16 autocast."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     model.zero_grad(set_to_none=True)
-    model.applies_head = not chunked
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        output = model(inputs)
+        output = model(inputs, apply_head=not chunked)
         if chunked:
             loss = chunked_token_loss_sum(output, model.head_weight(), labels, chunk_tokens=CHUNK)
         else:

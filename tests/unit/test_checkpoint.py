@@ -129,10 +129,7 @@ def test_whole_model_checkpoint_loads_into_pipeline_stages(tmp_path, tied):
     optimizer.step()
     save(tmp_path, 3, whole, optimizer)
 
-    parts = [
-        materialize(part, device="cpu", seed=1)
-        for part in split_into_stages(build_model(cfg.model), cfg, pp_rank=0)
-    ]
+    parts = [materialize(part, device="cpu", seed=1) for part in split_into_stages(cfg, pp_rank=0)]
     optimizers = [build_optimizer(part, cfg.optimizer)[0] for part in parts]
     load_checkpoint(tmp_path, model=parts, optimizer=optimizers)
     expected = dict(whole.named_parameters())

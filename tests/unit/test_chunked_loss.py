@@ -119,7 +119,7 @@ def test_training_steps_match_the_plain_loss(debug_overrides, tmp_path, tied):
         "--train.loss=chunked_cross_entropy",
         "--train.loss_chunk_tokens=100",  # 512 tokens: 6 chunks, the last of 12
     )
-    assert not chunked_run.model_parts[0].applies_head
+    assert not chunked_run.step_fn.forward_options["apply_head"]
     for _ in range(4):
         loss_a, norm_a, *_ = plain_run.train_step()
         loss_b, norm_b, *_ = chunked_run.train_step()

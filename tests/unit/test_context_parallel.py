@@ -20,7 +20,7 @@ from kiln.model.document_mask import (
 )
 from kiln.model.kv_cache import KVCache
 from kiln.model.llama.plan import llama_plan
-from kiln.parallel.context_parallel import apply_context_parallel, load_balanced_positions
+from kiln.parallel.context_parallel import check_context_parallel, load_balanced_positions
 
 MODEL = ModelConfig(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden_dim=96, max_seq_len=64
@@ -106,7 +106,7 @@ def test_a_plan_without_attention_layers_cannot_take_context_parallel():
     model = build_model(MODEL)
     without = dataclasses.replace(llama_plan(MODEL), block_attention=lambda block: ())
     with pytest.raises(ValueError, match=r"set distributed\.cp = 1"):
-        apply_context_parallel(model, without, context=None)
+        check_context_parallel(model, without)
 
 
 def layout(cp: int, tp: int, seq_len: int) -> JobConfig:

@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from kiln.config import ModelConfig
-from kiln.model.moe import AuxLossScale, MoEFeedForward, set_aux_loss_scale, update_expert_biases
+from kiln.model.moe import AuxLossScale, MoEFeedForward, update_expert_biases
 from kiln.model.moe.balancing import load_balance_sum, router_z_sum, sequence_balance_sum
 
 DIM, EXPERTS, TOP_K = 16, 4, 2
@@ -132,9 +132,8 @@ def test_step_normalization_makes_micro_batches_add_up_to_the_whole_batch():
     with torch.no_grad():
         step_counts = split.router(x.flatten(0, 1)).counts
     scale = AuxLossScale(per_token=1 / 20, per_sequence=1 / 4, reduce_counts=lambda _: step_counts)
-    set_aux_loss_scale(split, scale)
     for half in (slice(0, 2), slice(2, 4)):
-        (split(x[half]) * target[half]).sum().backward()
+        (split(x[half], scale) * target[half]).sum().backward()
     expected = grads(whole)
     for name, grad in grads(split).items():
         assert close(grad, expected[name]), name
@@ -145,8 +144,7 @@ def test_scale_multiplies_the_sums():
     losses = {}
     for per_token, per_sequence in ((None, None), (3.0 / 15, 3.0 / 3)):
         moe = make_moe(moe_router_z_loss_weight=1.0, moe_seq_aux_loss_weight=1.0)
-        set_aux_loss_scale(moe, AuxLossScale(per_token=per_token, per_sequence=per_sequence))
-        moe(x).sum().backward()
+        moe(x, AuxLossScale(per_token=per_token, per_sequence=per_sequence)).sum().backward()
         losses[per_token] = moe.router.gate.weight.grad
     plain = make_moe()
     plain(x).sum().backward()

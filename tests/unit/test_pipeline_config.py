@@ -72,16 +72,17 @@ def test_stages_keep_the_unsplit_parameter_names(tied):
     names = [
         name
         for rank in range(2)
-        for part in split_into_stages(build_model(cfg.model), cfg, rank)
+        for part in split_into_stages(cfg, rank)
         for name, _ in part.named_parameters()
     ]
     assert set(names) == set(whole)
     # Tied: the last stage holds a second copy of the embedding, as its output head.
     assert len(names) == len(whole) + tied
-    first = split_into_stages(build_model(cfg.model), cfg, 0)[0]  # stage 0 of 4
-    last = split_into_stages(build_model(cfg.model), cfg, 1)[-1]  # stage 3
-    assert first.embeds_input and first.norm is None and first.output is None
-    assert not last.embeds_input and last.norm is not None
+    first = split_into_stages(cfg, 0)[0]  # stage 0 of 4
+    last = split_into_stages(cfg, 1)[-1]  # stage 3
+    assert first.stage.first and not first.stage.last
+    assert first.norm is None and first.output is None
+    assert not last.stage.first and last.stage.last and last.norm is not None
     assert (last.tok_embeddings is not None) == tied
 
 

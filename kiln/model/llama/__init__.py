@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from kiln.config.sections import ModelConfig
 from kiln.model.family import ModelFamily
+from kiln.model.forward_args import StageRole
 from kiln.model.llama.counts import attention_terms, count_params, flops_per_token
 from kiln.model.llama.hf_adapters import ADAPTERS, export_adapter
 
 
-def _build(cfg: ModelConfig):
+def _build(cfg: ModelConfig, stage: StageRole | None = None):
     # Imported here: the family is described without torch (kiln plan and kiln check).
     from kiln.model.llama.model import Transformer
 
-    return Transformer(cfg)
+    return Transformer(cfg, stage)
 
 
 def _parallel_plan(cfg: ModelConfig):

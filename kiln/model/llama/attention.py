@@ -10,6 +10,7 @@ from torch import nn
 
 from kiln.config.sections import ModelConfig
 from kiln.model.document_mask import DocumentMask, masked_attention
+from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache
 from kiln.model.rope import apply_rope
 
@@ -28,9 +29,6 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        # Set by context parallel (kiln/parallel/context_parallel.py): gathers the keys and
-        # values of the sequence's other parts, held by the other cp ranks.
-        self.context_parallel = None
 
     def forward(
         self,
@@ -41,7 +39,10 @@ class Attention(nn.Module):
         layer: int = 0,
         *,
         mask: DocumentMask | None = None,
+        context_parallel: SequenceGathers | None = None,
     ) -> torch.Tensor:
+        """`context_parallel`: gathers the keys and values of the sequence's other parts, held
+        by the other cp ranks (kiln/parallel/context_parallel.py)."""
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
         if cos.ndim == 2:
@@ -57,8 +58,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        if self.context_parallel is not None:
-            k, v = self.context_parallel.gather_kv(k, v)
+        if context_parallel is not None:
+            k, v = context_parallel.gather_kv(k, v)
         if mask is not None:
             out = masked_attention(q, k, v, mask)
         else:

@@ -12,9 +12,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from kiln.config.sections import ModelConfig
 from kiln.model.document_mask import DocumentMask, build_document_mask, build_position_mask
 from kiln.model.feed_forward import FeedForward
+from kiln.model.forward_args import SequenceGathers, StageRole
 from kiln.model.init import fill_normal_
 from kiln.model.kv_cache import KVCache
 from kiln.model.llama.attention import Attention
+from kiln.model.moe.balancing import AuxLossScale
 from kiln.model.moe.block import MoEFeedForward
 from kiln.model.names import canonical_name
 from kiln.model.rope import model_rope_tables
@@ -42,33 +44,40 @@ class Block(nn.Module):
         layer: int = 0,
         *,
         mask: DocumentMask | None = None,
+        context_parallel: SequenceGathers | None = None,
+        moe_scale: AuxLossScale | None = None,
     ) -> torch.Tensor:
-        # The mask goes by keyword: tensor parallel's PrepareModuleInput lays out the positional
-        # arguments of attention and passes keywords through untouched.
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask=mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        # The mask and the rest go by keyword: tensor parallel's PrepareModuleInput lays out the
+        # positional arguments of attention and passes keywords through untouched.
+        h = self.attention_norm(x)
+        x = x + self.attention(
+            h, cos, sin, cache, layer, mask=mask, context_parallel=context_parallel
+        )
+        h = self.ffn_norm(x)
+        if isinstance(self.feed_forward, MoEFeedForward):
+            return x + self.feed_forward(h, scale=moe_scale)
+        return x + self.feed_forward(h)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, stage: StageRole | None = None):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        # A dict keyed by layer index keeps parameter names stable when pipeline stages drop layers.
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        # Tied embeddings reuse tok_embeddings.weight in forward instead of sharing a Parameter,
-        # which `to_empty` and sharding would silently untie.
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.stage = stage if stage is not None else StageRole.whole(cfg.n_layers)
+        first, last, tied = self.stage.first, self.stage.last, cfg.tie_embeddings
+        # Tied: the last stage keeps its own copy of the embedding as output head. Tied embeddings
+        # reuse tok_embeddings.weight in forward instead of sharing a Parameter, which `to_empty`
+        # and sharding would silently untie.
+        held = first or (last and tied)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if held else None
+        # A dict keyed by layer index keeps parameter names those of the whole model in a stage.
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in self.stage.layers})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps) if last else None
+        head = last and not tied
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
         cos, sin = model_rope_tables(cfg, device=None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.embeds_input = True
-        # Set by context parallel (kiln/parallel/context_parallel.py): gathers the positions and
-        # document ids of the sequence's other parts for the attention mask.
-        self.context_parallel = None
-        # False: forward ends at the final norm and the loss applies the head (chunked loss).
-        self.applies_head = True
 
     def forward(
         self,
@@ -77,6 +86,9 @@ class Transformer(nn.Module):
         *,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        context_parallel: SequenceGathers | None = None,
+        apply_head: bool = True,
+        moe_scale: AuxLossScale | None = None,
     ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab).
 
@@ -85,30 +97,41 @@ class Transformer(nn.Module):
         tokens sit at those positions of their sequences (context parallel: some chunks of each
         sequence; RoPE and the causal mask go by them).
 
-        A pipeline stage (see `parallel/pipeline.py`) holds some of the layers: a stage after the
-        first takes the previous stage's hidden states instead of tokens, and a stage before the
-        last returns hidden states instead of logits. Without `applies_head` the (last) stage
-        returns the final norm's output, to which the loss applies `head_weight()` itself.
+        A pipeline stage (`self.stage`) holds some of the layers: a stage after the first takes
+        the previous stage's hidden states instead of tokens, and a stage before the last returns
+        hidden states instead of logits. Without `apply_head` the (last) stage returns the final
+        norm's output, to which the loss applies `head_weight()` itself (the chunked loss).
+        `context_parallel`: the gathers of the sequence's other parts (kiln/parallel/
+        context_parallel.py); `moe_scale`: the step's normalization of the MoE auxiliary losses.
         """
         if cache is not None and (document_ids is not None or positions is not None):
             raise ValueError(
                 "a KV cache (generation) runs whole sequences in order in one process: "
                 "document_ids and positions (context parallel) cannot be combined with it"
             )
-        mask = self._attention_mask(document_ids, positions)
+        mask = self._attention_mask(document_ids, positions, context_parallel)
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:
             # (batch, 1, seq, head_dim): broadcast over the heads.
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        h = self.tok_embeddings(x) if self.embeds_input else x
+        h = self.tok_embeddings(x) if self.stage.first else x
         for name, block in self.layers.items():
-            h = block(h, cos, sin, cache, int(name), mask=mask)
+            h = block(
+                h,
+                cos,
+                sin,
+                cache,
+                int(name),
+                mask=mask,
+                context_parallel=context_parallel,
+                moe_scale=moe_scale,
+            )
         if cache is not None:
             cache.advance(x.shape[1])
-        if self.norm is None:
+        if not self.stage.last:
             return h
         h = self.norm(h)
-        if not self.applies_head:
+        if not apply_head:
             return h
         if self.output is None:
             if isinstance(h, DTensor):  # tensor parallel: gather the sequence, keep the vocab split
@@ -117,16 +140,19 @@ class Transformer(nn.Module):
         return self.output(h)
 
     def _attention_mask(
-        self, document_ids: torch.Tensor | None, positions: torch.Tensor | None
+        self,
+        document_ids: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        context_parallel: SequenceGathers | None,
     ) -> DocumentMask | None:
         """The mask every layer shares; None: plain causal attention over whole sequences."""
         if positions is None:
             return build_document_mask(document_ids) if document_ids is not None else None
         key_positions, key_ids = positions, document_ids
-        if self.context_parallel is not None:  # the keys are the whole sequence's
-            key_positions = self.context_parallel.gather_sequence(positions)
+        if context_parallel is not None:  # the keys are the whole sequence's
+            key_positions = context_parallel.gather_sequence(positions)
             if document_ids is not None:
-                key_ids = self.context_parallel.gather_sequence(document_ids)
+                key_ids = context_parallel.gather_sequence(document_ids)
         return build_position_mask(positions, key_positions, ids=document_ids, key_ids=key_ids)
 
     def head_weight(self) -> torch.Tensor:

@@ -5,7 +5,6 @@ from kiln.model.moe.bias_update import update_expert_biases
 from kiln.model.moe.block import (
     AUX_LOSSES,
     MoEFeedForward,
-    set_aux_loss_scale,
     take_aux_loss_sums,
 )
 from kiln.model.moe.dispatch import LocalDispatcher
@@ -20,7 +19,6 @@ __all__ = [
     "MoEFeedForward",
     "Router",
     "attach_aux_loss",
-    "set_aux_loss_scale",
     "take_aux_loss_sums",
     "uncounted",
     "update_expert_biases",

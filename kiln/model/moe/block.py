@@ -32,6 +32,10 @@ class MoEFeedForward(nn.Module):
     forward normalized by its own tokens and sequences (the papers' values). The buffer
     `aux_loss_sums` adds up their unnormalized sums (AUX_LOSSES order) over the training
     forwards of the step (those `tokens_per_expert` counts), for the step's metrics.
+
+    The forward's `scale` (an `AuxLossScale`, from the training step) normalizes the losses over
+    the whole step and sums the expert counts over the ranks holding the step's other tokens;
+    without it each forward normalizes by its own tokens (one process, no step).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -58,13 +62,12 @@ class MoEFeedForward(nn.Module):
             "seq_balance": cfg.moe_seq_aux_loss_weight,
             "router_z": cfg.moe_router_z_loss_weight,
         }
-        # Set from outside (see `set_aux_loss_scale`); shared by every MoE block of a model.
-        self.aux_scale = AuxLossScale()
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.register_buffer("aux_loss_sums", torch.zeros(len(AUX_LOSSES)), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale: AuxLossScale | None = None) -> torch.Tensor:
         """x (batch, seq, dim) -> (batch, seq, dim)."""
+        scale = scale if scale is not None else AuxLossScale()
         tokens = x.flatten(0, -2)
         route = self.router(tokens)
         rows, per_expert, state = self.dispatcher.dispatch(tokens, route.indices)
@@ -78,23 +81,25 @@ class MoEFeedForward(nn.Module):
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
             out = out + shared.view_as(x)
-        aux_loss = self._aux_loss(route, x.shape)
+        aux_loss = self._aux_loss(route, x.shape, scale)
         if aux_loss is not None and torch.is_grad_enabled():
             out = attach_aux_loss(out, aux_loss)
         return out
 
-    def _aux_loss(self, route: RouterOutput, shape: torch.Size) -> torch.Tensor | None:
+    def _aux_loss(
+        self, route: RouterOutput, shape: torch.Size, scale: AuxLossScale
+    ) -> torch.Tensor | None:
         """The weighted, step-normalized total of the enabled losses; records all of them."""
-        sums = self._loss_sums(route, sequences=shape[0])
+        sums = self._loss_sums(route, scale, sequences=shape[0])
         tokens, sequences = route.indices.shape[0], shape[0]
         own = {"load_balance": tokens, "seq_balance": sequences, "router_z": tokens}
         self.aux_losses = {name: value.detach() / own[name] for name, value in sums.items()}
         if is_training_forward():
             self.aux_loss_sums += torch.stack([sums[name].detach() for name in AUX_LOSSES])
         given = {
-            "load_balance": self.aux_scale.per_token,
-            "seq_balance": self.aux_scale.per_sequence,
-            "router_z": self.aux_scale.per_token,
+            "load_balance": scale.per_token,
+            "seq_balance": scale.per_sequence,
+            "router_z": scale.per_token,
         }
         terms = [
             weight * sums[name] * (given[name] if given[name] is not None else 1.0 / own[name])
@@ -103,10 +108,12 @@ class MoEFeedForward(nn.Module):
         ]
         return sum(terms[1:], terms[0]) if terms else None
 
-    def _loss_sums(self, route: RouterOutput, *, sequences: int) -> dict[str, torch.Tensor]:
+    def _loss_sums(
+        self, route: RouterOutput, scale: AuxLossScale, *, sequences: int
+    ) -> dict[str, torch.Tensor]:
         probs = normalized_scores(route.scores)
         counts = route.counts
-        reduce_counts = self._count_reduction(self.aux_scale.reduce_counts)
+        reduce_counts = self._count_reduction(scale.reduce_counts)
         if reduce_counts is not None:
             counts = reduce_counts(counts)
         experts, top_k = probs.shape[-1], route.indices.shape[-1]
@@ -115,7 +122,7 @@ class MoEFeedForward(nn.Module):
             "seq_balance": sequence_balance_sum(
                 probs.view(sequences, -1, experts),
                 route.indices.view(sequences, -1, top_k),
-                self._count_reduction(self.aux_scale.reduce_sequence_counts),
+                self._count_reduction(scale.reduce_sequence_counts),
             ),
             "router_z": router_z_sum(route.logits),
         }
@@ -129,13 +136,6 @@ class MoEFeedForward(nn.Module):
     def init_buffers(self) -> None:
         self.router.init_buffers()
         self.aux_loss_sums.zero_()
-
-
-def set_aux_loss_scale(model: nn.Module, scale: AuxLossScale) -> None:
-    """Use `scale` for the auxiliary losses of every MoE block of `model` from the next forward."""
-    for module in model.modules():
-        if isinstance(module, MoEFeedForward):
-            module.aux_scale = scale
 
 
 @torch.no_grad()
