@@ -17,16 +17,19 @@ from tests.distributed.parity import (
     records,
 )
 from tests.distributed.test_moe_parity import MOE, assert_moe_parity
+from tests.distributed.test_parity import QWEN3
 
 LAYOUTS = {
     # Saves checkpoints: test_checkpoint_from_cp_resumes_in_one_process continues them.
     "cp=2": (2, ["--distributed.cp=2", "--train.batch_size=8", SAVE]),
     "cp=4": (4, ["--distributed.cp=4", "--train.batch_size=8"]),
-    "cp=2 x dp_shard=2": (4, ["--distributed.cp=2", "--train.batch_size=4"]),
+    "cp=2 x dp_shard=2, Qwen3-shaped": (4, ["--distributed.cp=2", "--train.batch_size=4"]),
     "cp=2 x tp=2": (4, ["--distributed.cp=2", "--distributed.tp=2", "--train.batch_size=8"]),
     "cp=2 x pp=2": (4, ["--distributed.cp=2", "--distributed.pp=2", "--train.batch_size=8"]),
 }
 MASKS = {"causal": (), "document mask": ("--data.document_mask=true",)}
+# The model of a layout where it is not the debug one: Qwen3-shaped (test_parity.py's QWEN3).
+MODELS = {"cp=2 x dp_shard=2, Qwen3-shaped": QWEN3}
 
 
 def masked(mask, demo_data):
@@ -41,8 +44,9 @@ def masked(mask, demo_data):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_context_parallel_layout_matches_one_process(layout, mask, runs, references, demo_data):
     nproc, overrides = LAYOUTS[layout]
-    got = records(runs(nproc, *overrides, *masked(mask, demo_data)))
-    expected = references(*masked(mask, demo_data))
+    model = MODELS.get(layout, ())
+    got = records(runs(nproc, *overrides, *model, *masked(mask, demo_data)))
+    expected = references(*model, *masked(mask, demo_data))
     assert_parity(got, expected)
     for step in (5, 10) if mask != "causal" else ():
         assert got[step]["eval/loss"] == pytest.approx(expected[step]["eval/loss"], rel=1e-5)

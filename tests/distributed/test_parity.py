@@ -23,7 +23,18 @@ from tests.distributed.workers import free_port
 
 KV4 = ("--model.n_kv_heads=4",)  # tp=4 needs the KV heads to split four ways
 TIED = ("--model.tie_embeddings=true",)
-QK_NORM = ("--model.qk_norm=true",)  # per-head norm weights shared by heads split over tp
+# Qwen3-shaped (docs/models.md): 4 heads of 48 on dim 128 (queries 192 wide), per-head q/k norms
+# whose weights are shared by heads split over tp, tied embeddings. At the debug recipe's lr
+# (3e-3) tied embeddings make steps 6-10 ill-conditioned: one process summing its batch of 8
+# whole or as two accumulated halves already differs by up to 5.7e-6 in a per-parameter norm
+# (1e-7 untied), which layouts turn into 1.6e-5; at lr 1e-3 the two differ by at most 8.6e-7
+# (measured on the demo corpus), so 1e-5 tells a real mistake from rounding again.
+QWEN3 = (
+    "--model.head_dim=48",
+    "--model.qk_norm=true",
+    "--model.tie_embeddings=true",
+    "--optimizer.lr=1e-3",
+)
 
 LAYOUTS = {
     "dp_shard=2": (2, ["--distributed.dp_shard=2", "--train.batch_size=4"], ()),
@@ -35,10 +46,10 @@ LAYOUTS = {
         ["--distributed.dp_replicate=2", "--distributed.dp_shard=2", "--train.batch_size=2"],
         (),
     ),
-    "dp_shard=2, blocks kept gathered": (
+    "dp_shard=2, blocks kept gathered, Qwen3-shaped": (
         2,
         ["--train.batch_size=4", "--distributed.reshard_after_forward=false"],
-        (),
+        QWEN3,
     ),
     "dp_shard=2, full AC": (
         2,
@@ -69,7 +80,7 @@ LAYOUTS = {
     "tp=2": (2, ["--distributed.tp=2", "--train.batch_size=8"], ()),
     "tp=4": (4, ["--distributed.tp=4", "--train.batch_size=8"], KV4),
     "tp=2, tied embeddings": (2, ["--distributed.tp=2", "--train.batch_size=8"], TIED),
-    "tp=2 x dp_shard=2, qk_norm": (4, ["--distributed.tp=2", "--train.batch_size=4"], QK_NORM),
+    "tp=2 x dp_shard=2, Qwen3-shaped": (4, ["--distributed.tp=2", "--train.batch_size=4"], QWEN3),
     "tp=2 x dp_shard=2": (4, ["--distributed.tp=2", "--train.batch_size=4"], ()),
     "tp=2 x dp_shard=2, full AC": (
         4,

@@ -16,6 +16,7 @@ from tests.distributed.parity import (
     reference_args,
     schedule,
 )
+from tests.distributed.test_parity import QWEN3
 from tests.distributed.workers import JobFailed
 
 # Four layers: one per stage at pp=2 with two virtual stages per rank, and at pp=4 with one.
@@ -30,6 +31,8 @@ L8 = ("--model.n_layers=8",)
 # that does too (gradient accumulation over 8 sequences): then they agree to 1e-7.
 TIED2 = ("--model.n_layers=2", "--model.tie_embeddings=true")
 TIED4 = ("--model.n_layers=4", "--model.tie_embeddings=true")
+# Qwen3-shaped (test_parity.py's QWEN3: a head width of its own, q/k norms, tied, lr 1e-3), 2 layers.
+QWEN3_TIED2 = ("--model.n_layers=2", *QWEN3)
 PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
 # Those ill-conditioned steps also move the per-parameter norms of tied runs past 1e-5 (up to
 # 4.7e-5 measured on zbv, step 6, layers.0.attention.wk.weight); loss and global gradient norm
@@ -96,7 +99,7 @@ LAYOUTS = {
         ],
         L4,
     ),
-    "pp=2, tied embeddings": (2, ["--distributed.pp=2"], TIED2),
+    "pp=2, Qwen3-shaped (tied embeddings)": (2, ["--distributed.pp=2"], QWEN3_TIED2),
     "pp=2 x tp=2, tied embeddings": (
         4,
         ["--distributed.pp=2", "--distributed.tp=2", M2],
