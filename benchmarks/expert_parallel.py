@@ -58,10 +58,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "configs/train/debug_moe.toml"
-TIMING_MODEL = ["--model.num_experts=16", "--model.moe_ffn_hidden_dim=256", "--model.dim=256"]
+TIMING_MODEL = ["--model.moe.num_experts=16", "--model.moe.ffn_hidden_dim=256", "--model.dim=256"]
 MEMORY_MODEL = [
-    "--model.num_experts=16",
-    "--model.moe_ffn_hidden_dim=1024",
+    "--model.moe.num_experts=16",
+    "--model.moe.ffn_hidden_dim=1024",
     "--model.dim=512",
     "--model.n_layers=3",
 ]
@@ -156,7 +156,7 @@ def model_shape() -> tuple[int, int, int]:
     from kiln.config import load_config
 
     cfg = load_config(RECIPE, [*TIMING_MODEL, *COMMON]).model
-    return cfg.dim, cfg.num_experts, cfg.moe_top_k
+    return cfg.dim, cfg.moe.num_experts, cfg.moe.top_k
 
 
 def check_bytes(records: list[dict], *, ep: int, accum: int, full_ac: bool) -> dict:

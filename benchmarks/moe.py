@@ -35,7 +35,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, MoEConfig
 from kiln.model import build_model, count_params, materialize
 from kiln.model.feed_forward import FeedForward
 from kiln.model.moe import (
@@ -51,33 +51,41 @@ from kiln.model.moe import (
 SIZES = {
     "debug": ModelConfig(
         dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, vocab_size=4096,
-        num_experts=8, moe_top_k=2, moe_first_dense_layers=1, moe_ffn_hidden_dim=128,
-        moe_shared_experts=1,
+        moe=MoEConfig(
+            num_experts=8, top_k=2, first_dense_layers=1, ffn_hidden_dim=128, shared_experts=1
+        ),
     ),
     "100m": ModelConfig(
         dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden_dim=1792, vocab_size=4096,
-        num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=896,
+        moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_dim=896),
     ),
     "1b": ModelConfig(
         dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, ffn_hidden_dim=3584, vocab_size=32768,
-        num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=1792,
+        moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_dim=1792),
     ),
 }  # fmt: skip
 # Sequences x tokens per step on each size (CPU defaults; --tokens changes the total).
 SHAPES = {"debug": (4, 128), "100m": (2, 256), "1b": (4, 2048)}
-USUAL = {"moe_aux_loss_weight": 0.01, "moe_router_z_loss_weight": 0.001}
-ALL_ON = {**USUAL, "moe_seq_aux_loss_weight": 0.001, "moe_bias_update_rate": 0.001}
+# Balancing keys of [model.moe].
+USUAL = {"aux_loss_weight": 0.01, "router_z_loss_weight": 0.001}
+ALL_ON = {**USUAL, "seq_aux_loss_weight": 0.001, "bias_update_rate": 0.001}
 ALL_OFF = dict.fromkeys(ALL_ON, 0.0)
 COMPARISONS = ("dense", "kernels", "balancing")
 
 
 def dense_twin(cfg: ModelConfig) -> ModelConfig:
     """A dense model whose feed-forward has the weights one token uses in `cfg`'s MoE block."""
-    active = cfg.dim * cfg.num_experts + (cfg.moe_top_k + cfg.moe_shared_experts) * (
+    active = cfg.dim * cfg.moe.num_experts + (cfg.moe.top_k + cfg.moe.shared_experts) * (
         3 * cfg.dim * cfg.expert_hidden_dim
     )
     width = round(active / (3 * cfg.dim))
-    return replace(cfg, ffn_hidden_dim=width, num_experts=0, moe_shared_experts=0, **ALL_OFF)
+    dense = replace(cfg.moe, num_experts=0, shared_experts=0, **ALL_OFF)
+    return replace(cfg, ffn_hidden_dim=width, moe=dense)
+
+
+def with_moe(cfg: ModelConfig, **keys) -> ModelConfig:
+    """`cfg` with these [model.moe] keys changed."""
+    return replace(cfg, moe=replace(cfg.moe, **keys))
 
 
 class Runner:
@@ -105,8 +113,8 @@ class Runner:
         middle = _now(self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.cfg.num_experts:  # rate 0 only restarts the expert load counts
-            update_expert_biases(self.model, self.cfg.moe_bias_update_rate)
+        if self.cfg.moe.num_experts:  # rate 0 only restarts the expert load counts
+            update_expert_biases(self.model, self.cfg.moe.bias_update_rate)
         end = _now(self.device)
         return middle - start, end - middle
 
@@ -255,7 +263,7 @@ def profile_pair(moe: Runner, dense: Runner, steps: int = 3, top: int = 12) -> N
 
 
 def run_size(name: str, args, device: torch.device) -> None:
-    moe = replace(SIZES[name], **USUAL)
+    moe = with_moe(SIZES[name], **USUAL)
     batch, seq = SHAPES[name]
     if args.tokens:
         batch = max(1, args.tokens // seq)
@@ -288,8 +296,8 @@ def run_size(name: str, args, device: torch.device) -> None:
         table("grouped_mm against the per-expert loop (MoE)", kernels, tokens)
     if "balancing" in args.compare:
         balancing = {
-            "all on": Runner(replace(moe, **ALL_ON), (batch, seq), device),
-            "all off": Runner(replace(moe, **ALL_OFF), (batch, seq), device),
+            "all on": Runner(with_moe(moe, **ALL_ON), (batch, seq), device),
+            "all off": Runner(with_moe(moe, **ALL_OFF), (batch, seq), device),
         }
         alternate(balancing, *timing)
         table("balancing: aux + z + sequence aux + bias update, against none", balancing, tokens)

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kiln.config import JobConfig
+from kiln.config.load import moved_key
 
 DEFINING = (
     "model.",
@@ -51,7 +52,9 @@ def run_fingerprint(cfg: JobConfig, *, global_batch: int) -> dict[str, Any]:
 def fingerprint_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """One `key: saved -> current` line per setting that differs. A setting the saved
     fingerprint lacks was added by a later kiln: the older run did not record it, so it is not
-    a change."""
+    a change. A run recorded before a key was moved (the flat MoE keys of [model], now
+    [model.moe]) is read under the key's current name: the same setting, not a change."""
+    saved = {moved_key(key): value for key, value in saved.items()}
     keys = sorted(set(saved))
     return [
         f"{key}: {saved.get(key, '(unset)')!r} -> {current.get(key, '(unset)')!r}"

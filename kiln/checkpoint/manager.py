@@ -28,7 +28,8 @@ from kiln.checkpoint.layout import (
 )
 from kiln.checkpoint.saver import CheckpointSaver, SaveRecord
 from kiln.checkpoint.state import Modules, Optimizers
-from kiln.config import JobConfig, ModelConfig
+from kiln.config import JobConfig, ModelConfig, MoEConfig
+from kiln.config.load import moved_key
 from kiln.errors import ConfigError, KilnError
 from kiln.events import EventLog
 from kiln.log import info, warn
@@ -127,9 +128,11 @@ class CheckpointManager:
         return StartPoint(StartKind.SCRATCH)
 
     def _check_fingerprint(self, path: Path, saved: dict | None, current: dict) -> None:
-        if saved is not None and "model.num_experts" in saved:
+        # An older run recorded the expert count as model.moe.num_experts: the same key.
+        experts = {moved_key(k): v for k, v in (saved or {}).items()}.get("model.moe.num_experts")
+        if experts is not None:
             # Not even under resume = 'force': the weights cannot load.
-            _check_expert_count(path, saved["model.num_experts"], self.model.num_experts)
+            _check_expert_count(path, experts, self.model.moe.num_experts)
         changes = fingerprint_changes(saved, current) if saved is not None else []
         if not changes:
             return
@@ -287,15 +290,15 @@ def _check_expert_count(path: Path, saved: int, current: int) -> None:
     if saved == current:
         return
     held = (
-        f"a model with {saved} experts per MoE block (model.num_experts = {saved})"
+        f"a model with {saved} experts per MoE block (model.moe.num_experts = {saved})"
         if saved
-        else "a dense model (model.num_experts = 0)"
+        else "a dense model (model.moe.num_experts = 0)"
     )
     here = f"this model has {current}" if current else "this model is dense (0)"
     raise ConfigError(
         f"{path} holds {held}, but {here}: expert counts cannot change on resume, not even "
         "with checkpoint.resume = 'force' (the expert weights would not load). Set "
-        f"model.num_experts = {saved} to continue this run, or start a new run in another "
+        f"model.moe.num_experts = {saved} to continue this run, or start a new run in another "
         "metrics.run_dir (or checkpoint.dir); to reuse the weights, convert them to the new "
         "expert count first"
     )
@@ -307,15 +310,29 @@ def _check_same_model(path: Path, model: ModelConfig) -> None:
     Shapes that differ would fail to load; settings that differ silently are refused here."""
     saved = read_model_config(path)
     changes = [
-        f"model.{key}: {getattr(saved, key)!r} in the checkpoint, {getattr(model, key)!r} here"
-        for key in (f.name for f in fields(ModelConfig))
-        if key not in _FREE_MODEL_KEYS and getattr(saved, key) != getattr(model, key)
+        f"model.{key}: {old!r} in the checkpoint, {new!r} here"
+        for key, old, new in _model_settings(saved, model)
+        if key not in _FREE_MODEL_KEYS and old != new
     ]
     if changes:
         raise ConfigError(
             f"checkpoint.load_path {path} holds a model with other settings ({'; '.join(changes)}); "
             "set those [model] keys to the checkpoint's values (its config.toml lists them)"
         )
+
+
+def _model_settings(saved: ModelConfig, model: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) of every [model] key, those of [model.moe] as moe.<key>."""
+    pairs = []
+    for key in (f.name for f in fields(ModelConfig)):
+        if key == "moe":
+            pairs += [
+                (f"moe.{f.name}", getattr(saved.moe, f.name), getattr(model.moe, f.name))
+                for f in fields(MoEConfig)
+            ]
+        else:
+            pairs.append((key, getattr(saved, key), getattr(model, key)))
+    return pairs
 
 
 def _check_writable(directory: Path) -> None:

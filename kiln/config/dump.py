@@ -14,21 +14,32 @@ from kiln.config.sections import JobConfig
 def to_toml(cfg: JobConfig) -> str:
     lines: list[str] = []
     for section in dataclasses.fields(cfg):
-        values = dataclasses.asdict(getattr(cfg, section.name))
-        lines.append(f"[{section.name}]")
-        # Lists of tables are written after the plain keys: TOML puts them in their own blocks.
-        tables = {k: v for k, v in values.items() if _is_table_list(v)}
-        # An unset optional key (None) is left out: reading the file back leaves it unset.
-        lines += [
-            f"{k} = {_literal(v)}" for k, v in values.items() if k not in tables and v is not None
-        ]
-        lines.append("")
-        for key, entries in tables.items():
-            for entry in entries:
-                lines.append(f"[[{section.name}.{key}]]")
-                lines += [f"{k} = {_literal(v)}" for k, v in entry.items()]
-                lines.append("")
+        lines += _table(section.name, getattr(cfg, section.name))
     return "\n".join(lines)
+
+
+def _table(name: str, obj: Any) -> list[str]:
+    """`[name]` with the plain keys of the dataclass `obj`, then its nested dataclasses as tables
+    of their own (`[model.moe]`), then its lists of tables: TOML puts those in their own blocks."""
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    tables = {k: v for k, v in values.items() if dataclasses.is_dataclass(v)}
+    table_lists = {k: v for k, v in values.items() if _is_table_list(v)}
+    lines = [f"[{name}]"]
+    # An unset optional key (None) is left out: reading the file back leaves it unset.
+    lines += [
+        f"{k} = {_literal(v)}"
+        for k, v in values.items()
+        if k not in tables and k not in table_lists and v is not None
+    ]
+    lines.append("")
+    for key, table in tables.items():
+        lines += _table(f"{name}.{key}", table)
+    for key, entries in table_lists.items():
+        for entry in entries:
+            lines.append(f"[[{name}.{key}]]")
+            lines += [f"{k} = {_literal(v)}" for k, v in dataclasses.asdict(entry).items()]
+            lines.append("")
+    return lines
 
 
 def write_config(cfg: JobConfig, path: Path) -> None:
@@ -40,7 +51,9 @@ def write_config(cfg: JobConfig, path: Path) -> None:
 
 
 def _is_table_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+    return (
+        isinstance(value, list) and bool(value) and all(dataclasses.is_dataclass(v) for v in value)
+    )
 
 
 def _literal(value: Any) -> str:

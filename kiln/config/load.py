@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kiln.config.sections import JobConfig
+from kiln.config.sections import JobConfig, MoEConfig
 from kiln.errors import ConfigError
 from kiln.log import info, warn
 
@@ -44,6 +44,7 @@ def config_from_dict(
     from kiln.config.validate import collect_problems
 
     problems: list[str] = []
+    move_moe_keys(raw.get("model"), "", problems)
     for item in overrides:
         apply_override(raw, item, problems)
     resolve_model_preset(raw, problems)
@@ -119,6 +120,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None:
     parts, value = parse_override(item)
+    if len(parts) == 2 and parts[0] == "model" and parts[1] in MOVED_MOE_KEYS:
+        # An old spelling (--model.moe_top_k=4): it sets [model.moe] top_k.
+        parts = ["model", "moe", _moved(f"model.{parts[1]}")]
     if _is_text(_field_type(parts)) and not isinstance(value, str):
         value = item.split("=", 1)[1]  # `--metrics.run_dir=2024-01-01` is a name, not a date
     table = raw
@@ -149,7 +153,8 @@ def _is_text(hint: Any) -> bool:
 
 
 def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
-    """Merge `[model] preset = NAME` under the explicit [model] keys (explicit keys win)."""
+    """Merge `[model] preset = NAME` under the explicit [model] keys (explicit keys win), and the
+    preset's `[moe]` table under the explicit `[model.moe]` keys, key by key."""
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("preset"):
         return
@@ -166,7 +171,11 @@ def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
     except ConfigError as e:
         problems.append(str(e))
         return
-    raw["model"] = {**preset, **model}
+    move_moe_keys(preset, f"model.preset {name!r}: ", problems)
+    merged = {**preset, **model}
+    if isinstance(preset.get("moe"), dict) and isinstance(model.get("moe"), dict):
+        merged["moe"] = {**preset["moe"], **model["moe"]}
+    raw["model"] = merged
 
 
 def did_you_mean(word: str, choices: list[str]) -> str:
@@ -212,6 +221,62 @@ def _removed(key: str) -> bool:
             "Delete it from the recipe (an older checkpoint's config.toml may keep it)."
         )
     return True
+
+
+# Keys a release moved into a table of their own, by their old name: the Mixture-of-Experts keys
+# of [model] went into [model.moe], `num_experts` under its own name and `moe_<key>` as `<key>`
+# (`moe_top_k` -> [model.moe] top_k). Still read wherever [model] is (a recipe, a preset, an
+# override --model.moe_top_k=4, the config.toml of every older run and checkpoint): moved before
+# the dataclasses are built, with a note once per process per key; a key given in both spellings
+# is an error. docs/configuration.md states the rule.
+MOVED_MOE_KEYS = {
+    (name if name == "num_experts" else f"moe_{name}"): name
+    for name in (f.name for f in dataclasses.fields(MoEConfig))
+}
+
+
+def move_moe_keys(model: Any, where: str, problems: list[str]) -> None:
+    """Move the old flat MoE keys of the [model] table `model` into its `moe` table, in place.
+    `where` starts a problem's message: "" for the recipe, which preset for a preset."""
+    if not isinstance(model, dict) or not any(key in MOVED_MOE_KEYS for key in model):
+        return
+    moe = model.setdefault("moe", {})
+    if not isinstance(moe, dict):
+        return  # reported by build_dataclass: [model.moe] must be a table
+    for old, new in MOVED_MOE_KEYS.items():
+        if old not in model:
+            continue
+        if new in moe:
+            problems.append(
+                f"{where}model.{old} and model.moe.{new} are one key in two spellings (the old flat "
+                f"[model] {old} and [model.moe] {new}): keep [model.moe] {new} and delete {old}"
+            )
+            del model[old]
+            continue
+        moe[new] = model.pop(old)
+        _moved(f"model.{old}")
+
+
+def moved_key(key: str) -> str:
+    """The current name of the flat config key `key` ("model.moe_top_k" -> "model.moe.top_k");
+    any other key unchanged. For what older runs recorded under the old names (fingerprints)."""
+    section, _, name = key.partition(".")
+    if section == "model" and name in MOVED_MOE_KEYS:
+        return f"model.moe.{MOVED_MOE_KEYS[name]}"
+    return key
+
+
+def _moved(key: str) -> str:
+    """The [model.moe] name of the old flat key `key` ("model.moe_top_k" -> "top_k"); says so on
+    stderr once per process."""
+    new = MOVED_MOE_KEYS[key.removeprefix("model.")]
+    if key not in _noted:
+        _noted.add(key)
+        warn(
+            f"note: {key} was moved to [model.moe] and is read as model.moe.{new}. Rewrite it as "
+            f"{new} under [model.moe] in the recipe (an older checkpoint's config.toml may keep it)."
+        )
+    return new
 
 
 _INVALID = object()

@@ -40,6 +40,42 @@ WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclass
+class MoEConfig:
+    """`[model.moe]`: Mixture of Experts (num_experts = 0: dense). Block i is MoE when
+    i >= first_dense_layers and (i - first_dense_layers) is a multiple of frequency. Older
+    recipes spell these keys flat in [model] (`num_experts`, `moe_<key>`): kiln/config/load.py
+    moves them here, with a note."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    frequency: int = 1
+    first_dense_layers: int = 0
+    # Hidden width of one expert (0: [model] ffn_hidden_dim); shared experts are one SwiGLU of
+    # shared_experts times that width, optionally behind a sigmoid gate (Qwen2-MoE).
+    ffn_hidden_dim: int = 0
+    shared_experts: int = 0
+    shared_expert_gate: bool = False
+    # "softmax_topk" or "sigmoid" scores; the chosen experts' scores, renormalized to sum 1
+    # (route_norm) and times route_scale, weight their outputs.
+    router: MoeRouter = "softmax_topk"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    # Group-limited routing (DeepSeek-V3): tokens only go to experts of their best topk_groups
+    # of n_groups groups.
+    n_groups: int = 1
+    topk_groups: int = 1
+    # Load balancing: Switch/GShard auxiliary loss, DeepSeek-V3 sequence-wise auxiliary loss,
+    # ST-MoE router z-loss, DeepSeek-V3 auxiliary-loss-free bias updates (0: off).
+    aux_loss_weight: float = 0.0
+    seq_aux_loss_weight: float = 0.0
+    router_z_loss_weight: float = 0.0
+    bias_update_rate: float = 0.0
+    # 0: dropless; > 0: an expert takes at most ceil(factor · tokens · top_k / num_experts)
+    # assignments, lower token indices first, and drops the rest.
+    capacity_factor: float = 0.0
+
+
+@dataclass
 class ModelConfig:
     # Which family's modules, parallel plan and Hugging Face adapters build the model.
     family: ModelFamilyName = "llama"
@@ -66,35 +102,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     qk_norm: bool = False
     init_std: float = 0.02
-    # Mixture of Experts (num_experts = 0: dense). Block i is MoE when i >= moe_first_dense_layers
-    # and (i - moe_first_dense_layers) is a multiple of moe_frequency.
-    num_experts: int = 0
-    moe_top_k: int = 2
-    moe_frequency: int = 1
-    moe_first_dense_layers: int = 0
-    # Hidden width of one expert (0: ffn_hidden_dim); shared experts are one SwiGLU of
-    # moe_shared_experts times that width, optionally behind a sigmoid gate (Qwen2-MoE).
-    moe_ffn_hidden_dim: int = 0
-    moe_shared_experts: int = 0
-    moe_shared_expert_gate: bool = False
-    # "softmax_topk" or "sigmoid" scores; the chosen experts' scores, renormalized to sum 1
-    # (moe_route_norm) and times moe_route_scale, weight their outputs.
-    moe_router: MoeRouter = "softmax_topk"
-    moe_route_norm: bool = True
-    moe_route_scale: float = 1.0
-    # Group-limited routing (DeepSeek-V3): tokens only go to experts of their best topk_groups
-    # of n_groups groups.
-    moe_n_groups: int = 1
-    moe_topk_groups: int = 1
-    # Load balancing: Switch/GShard auxiliary loss, DeepSeek-V3 sequence-wise auxiliary loss,
-    # ST-MoE router z-loss, DeepSeek-V3 auxiliary-loss-free bias updates (0: off).
-    moe_aux_loss_weight: float = 0.0
-    moe_seq_aux_loss_weight: float = 0.0
-    moe_router_z_loss_weight: float = 0.0
-    moe_bias_update_rate: float = 0.0
-    # 0: dropless; > 0: an expert takes at most ceil(factor · tokens · top_k / num_experts)
-    # assignments, lower token indices first, and drops the rest.
-    moe_capacity_factor: float = 0.0
+    # Mixture of Experts: the [model.moe] table (num_experts = 0: dense).
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -103,13 +112,15 @@ class ModelConfig:
 
     @property
     def expert_hidden_dim(self) -> int:
-        return self.moe_ffn_hidden_dim or self.ffn_hidden_dim
+        """The hidden width of one expert: `moe.ffn_hidden_dim`, or the dense `ffn_hidden_dim`."""
+        return self.moe.ffn_hidden_dim or self.ffn_hidden_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` has a Mixture-of-Experts feed-forward instead of a dense one."""
-        if self.num_experts <= 0 or self.moe_frequency <= 0 or layer < self.moe_first_dense_layers:
+        moe = self.moe
+        if moe.num_experts <= 0 or moe.frequency <= 0 or layer < moe.first_dense_layers:
             return False
-        return (layer - self.moe_first_dense_layers) % self.moe_frequency == 0
+        return (layer - moe.first_dense_layers) % moe.frequency == 0
 
 
 @dataclass

@@ -26,7 +26,7 @@ class IdleExperts:
         reached = (self.idle_steps == self.patience).nonzero().tolist()
         return [
             f"expert {expert} of {self.layer_names[layer]} has received no token for "
-            f"{self.patience} steps in a row: it only decays. Raise model.moe_bias_update_rate "
-            "or model.moe_aux_loss_weight to rebalance (see docs/moe.md, 'Reading expert load')"
+            f"{self.patience} steps in a row: it only decays. Raise model.moe.bias_update_rate "
+            "or model.moe.aux_loss_weight to rebalance (see docs/moe.md, 'Reading expert load')"
             for layer, expert in reached
         ]

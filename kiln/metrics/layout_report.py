@@ -21,8 +21,8 @@ def startup_summary(
     where the run writes and where it starts from."""
     m = cfg.model
     model = f"model {m.preset or 'custom'}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads"
-    if m.num_experts > 0:
-        model += f", {m.num_experts} experts top-{m.moe_top_k}"
+    if m.moe.num_experts > 0:
+        model += f", {m.moe.num_experts} experts top-{m.moe.top_k}"
     start = f"{start_path} (step {start_step})" if start_path is not None else "scratch"
     lines = [
         model,
@@ -45,9 +45,9 @@ def layout_report(cfg: JobConfig, world_size: int) -> list[str]:
         f"data-parallel ranks: {data_ranks}",
         f"parameters: {params.total:,} ({params.non_embedding:,} non-embedding)",
     ]
-    if cfg.model.num_experts > 0:
+    if cfg.model.moe.num_experts > 0:
         lines.append(
-            f"active parameters per token: {params.active:,} (top-{cfg.model.moe_top_k} experts)"
+            f"active parameters per token: {params.active:,} (top-{cfg.model.moe.top_k} experts)"
         )
     lines += [
         f"FLOPs per token (fwd+bwd, seq_len {seq_len}): {flops_per_token(cfg.model, seq_len):.4g}",
@@ -55,8 +55,8 @@ def layout_report(cfg: JobConfig, world_size: int) -> list[str]:
     ]
     # MoE: every expert has weights, gradients and moments; a token's activations are its top k's.
     experts = (
-        (_expert_state_label(cfg.model, layout), f"top-{cfg.model.moe_top_k} experts, ")
-        if cfg.model.num_experts > 0
+        (_expert_state_label(cfg.model, layout), f"top-{cfg.model.moe.top_k} experts, ")
+        if cfg.model.moe.num_experts > 0
         else ("", "")
     )
     lines.append(
@@ -69,7 +69,7 @@ def layout_report(cfg: JobConfig, world_size: int) -> list[str]:
         + (f", all-to-all buffers {_size(memory.dispatch)}" if memory.dispatch else "")
         + " (the gradients build up after the logits are freed)"
     )
-    note = _expert_padding_note(cfg.model, layout) if cfg.model.num_experts > 0 else None
+    note = _expert_padding_note(cfg.model, layout) if cfg.model.moe.num_experts > 0 else None
     if note:
         lines.append(note)
     if layout["pp"] > 1:
@@ -100,9 +100,9 @@ OPTIMIZER_STATE = {
 def _expert_state_label(model, layout: dict[str, int]) -> str:
     """What the model state counts of the routed experts: all of them, or an ep rank's share."""
     if layout["ep"] == 1:
-        return f" of all {model.num_experts} experts"
-    local = model.num_experts // layout["ep"]
-    return f" of this ep rank's {local} of {model.num_experts} experts"
+        return f" of all {model.moe.num_experts} experts"
+    local = model.moe.num_experts // layout["ep"]
+    return f" of this ep rank's {local} of {model.moe.num_experts} experts"
 
 
 def _expert_padding_note(model, layout: dict[str, int]) -> str | None:

@@ -23,7 +23,7 @@ def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
     experts = (
         f"; the routed experts compute in {high} (grouped GEMMs, which torchao's float8 training "
         "does not cover here)"
-        if cfg.model.num_experts > 0
+        if cfg.model.moe.num_experts > 0
         else ""
     )
     reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(kept.items())) or "none"

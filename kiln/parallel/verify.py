@@ -45,13 +45,15 @@ def proxy_config(
     m.preset = ""
     m.n_layers = 2 * num_stages(cfg.distributed)
     proxy.distributed.pp_layers_per_stage = []
-    m.dim, m.head_dim = 16 * m.n_heads, 0
+    # A head width of its own (Qwen3) stays its own: the same ratio to dim / n_heads.
+    ratio = m.resolved_head_dim * m.n_heads / m.dim
+    m.dim, m.head_dim = 16 * m.n_heads, 0 if ratio == 1 else round(16 * ratio / 2) * 2
     m.ffn_hidden_dim = 4 * m.dim
     # 64 tokens, or as few as context parallel can split into 2·cp chunks and those over tp.
     d = cfg.distributed
     seq_len = max(64, math.lcm(2 * d.cp, d.cp * d.tp))
     m.vocab_size, m.max_seq_len = 4096, seq_len
-    if m.num_experts > 0:
+    if m.moe.num_experts > 0:
         _shrink_experts(m, pipelined=cfg.distributed.pp > 1)
     t = proxy.train
     # One sequence per data rank, or per pipeline micro-batch.
@@ -108,13 +110,13 @@ def _shrink_experts(m: ModelConfig, *, pipelined: bool) -> None:
     """Keep what routing and expert parallel depend on (expert count, top-k, groups, router,
     capacity factor, shared experts, balancing) and shrink the experts: 32 hidden units each, and
     an MoE layer in every proxy block but the first when the model has dense blocks."""
-    m.moe_ffn_hidden_dim = 32
-    m.moe_first_dense_layers = min(m.moe_first_dense_layers, 1)
-    m.moe_frequency = 1
+    m.moe.ffn_hidden_dim = 32
+    m.moe.first_dense_layers = min(m.moe.first_dense_layers, 1)
+    m.moe.frequency = 1
     if pipelined:
         # The Switch loss takes its expert fractions over one micro-batch on all data ranks; a
         # pipeline's micro-batches are no micro-batch of one process, which could not match.
-        m.moe_aux_loss_weight = 0.0
+        m.moe.aux_loss_weight = 0.0
 
 
 def single_process_twin(proxy: JobConfig, world_size: int) -> JobConfig:
@@ -201,7 +203,7 @@ def _report(
 ) -> bool:
     degrees = resolve_layout(proxy.distributed, world_size)
     m = proxy.model
-    experts = f", {m.num_experts} experts top-{m.moe_top_k}" if m.num_experts > 0 else ""
+    experts = f", {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe.num_experts > 0 else ""
     print(
         f"proxy: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads / {m.n_kv_heads} KV heads{experts}, seq {proxy.train.seq_len}"
     )

@@ -92,10 +92,10 @@ def moe_ffn_bytes_per_token(m: ModelConfig) -> float:
     gate runs on, and three fp32 score rows over all experts (logits, scores, normalized
     scores); the shared experts like a dense SwiGLU of their width.
     """
-    d, k, experts = m.dim, m.moe_top_k, m.num_experts
+    d, k, experts = m.dim, m.moe.top_k, m.moe.num_experts
     per_copy = 2 * (3 * d + 4 * m.expert_hidden_dim) + 8 + 8 + 4
     router = 4 * d + 3 * 4 * experts
-    shared_width = m.moe_shared_experts * m.expert_hidden_dim
+    shared_width = m.moe.shared_experts * m.expert_hidden_dim
     shared = 2 * (2 * d + 4 * shared_width) if shared_width else 0
     return k * per_copy + router + shared
 
@@ -111,7 +111,7 @@ def backward_transient_bytes_per_token(m: ModelConfig, tp: int = 1) -> float:
     """The largest gradients one block's backward holds at once besides its activations: the
     three hidden-width gradients of SwiGLU (of w2's input, then of w1's and w3's outputs) and
     the gradient of the gathered normalized input, bf16."""
-    hidden = max(m.ffn_hidden_dim, m.moe_top_k * m.expert_hidden_dim if m.num_experts else 0)
+    hidden = max(m.ffn_hidden_dim, m.moe.top_k * m.expert_hidden_dim if m.moe.num_experts else 0)
     return 3 * 2 * hidden / tp + 2 * m.dim
 
 

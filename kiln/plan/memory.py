@@ -114,8 +114,8 @@ def largest_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
     units = [attention]
     if model_facts.moe_layers(m) < m.n_layers:
         units.append(3 * m.dim * m.ffn_hidden_dim / degrees["tp"])
-    if m.num_experts > 0:
-        units.append(m.num_experts // degrees["ep"] * 3 * m.dim * m.expert_hidden_dim)
+    if m.moe.num_experts > 0:
+        units.append(m.moe.num_experts // degrees["ep"] * 3 * m.dim * m.expert_hidden_dim)
     return max(units)
 
 
@@ -149,9 +149,9 @@ def dispatch_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
     """Expert parallel's all-to-all buffers for one MoE layer: every routed copy of this tp
     rank's tokens sent and received, bf16 rows of dim."""
     m = cfg.model
-    if m.num_experts <= 0 or degrees["ep"] == 1:
+    if m.moe.num_experts <= 0 or degrees["ep"] == 1:
         return 0.0
-    copies = microbatch_tokens(cfg, degrees) / degrees["tp"] * m.moe_top_k
+    copies = microbatch_tokens(cfg, degrees) / degrees["tp"] * m.moe.top_k
     return 2 * 2 * copies * m.dim
 
 

@@ -2,7 +2,8 @@
 
 A search evaluates every candidate layout of the same model; counting its parameters walks the
 layers each time. The counts are kept by the model's field values (every ModelConfig field is a
-scalar), so an edited config is counted again.
+scalar, but the [model.moe] table, whose values are taken in turn), so an edited config is counted
+again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ _LIMIT = 256
 
 
 def _key(m: ModelConfig) -> tuple:
-    return tuple(vars(m).values())
+    return tuple(tuple(vars(v).values()) if k == "moe" else v for k, v in vars(m).items())
 
 
 def _remember(cache: dict, key: tuple, value):

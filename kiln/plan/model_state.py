@@ -87,7 +87,7 @@ class ExpertShards:
 def expert_shards(m: ModelConfig, degrees: dict[str, int]) -> ExpertShards:
     """How the routed experts of one MoE layer are split: by ep into each rank's slice, then by
     FSDP along each expert's rows or columns where they divide, in whole experts where not."""
-    local = m.num_experts // degrees["ep"]
+    local = m.moe.num_experts // degrees["ep"]
     ranks = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
     whole = tuple(
         name for name, dims in expert_weight_dims(m).items() if all(n % ranks for n in dims)
@@ -98,7 +98,7 @@ def expert_shards(m: ModelConfig, degrees: dict[str, int]) -> ExpertShards:
 def routed_expert_params(m: ModelConfig) -> int:
     """Parameters of every routed expert of every MoE layer (w1, w2, w3 each)."""
     moe_layers = model_facts.moe_layers(m)
-    return moe_layers * m.num_experts * 3 * m.dim * m.expert_hidden_dim
+    return moe_layers * m.moe.num_experts * 3 * m.dim * m.expert_hidden_dim
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def params_per_rank(
     matrices. Dense parameters (and an MoE layer's router and shared experts): TP splits them,
     FSDP shards them over dp_shard × ep × cp (and the tp ranks for what TP leaves whole),
     pipeline stages split the layers."""
-    experts = routed_expert_params(m) if m.num_experts > 0 else 0
+    experts = routed_expert_params(m) if m.moe.num_experts > 0 else 0
     total = model_facts.params(m).total
     dense_shards = degrees["dp_shard"] * degrees["ep"] * degrees["cp"] * degrees["tp"]
     shards = dense_shards * degrees["pp"]
@@ -143,7 +143,7 @@ def params_per_rank(
     if experts:
         # Routed experts: each ep rank's slice, split by FSDP as `expert_shards` says.
         stored = expert_shards(m, degrees).stored
-        matrices += experts * stored / m.num_experts / degrees["pp"]
+        matrices += experts * stored / m.moe.num_experts / degrees["pp"]
     return matrices, adamw_half / shards
 
 

@@ -148,7 +148,7 @@ def search(
     """Rank every valid, fitting candidate for `base`'s model and training settings."""
     ranked, considered, layouts = [], 0, 0
     smallest: Candidate | None = None
-    for degrees in factorizations(cluster.gpus, moe_experts=max(base.model.num_experts, 0)):
+    for degrees in factorizations(cluster.gpus, moe_experts=max(base.model.moe.num_experts, 0)):
         schedules = PP_SCHEDULES if degrees["pp"] > 1 else PP_SCHEDULES[:1]
         for schedule in schedules:
             layout = layout_config(base, degrees, schedule)

@@ -106,7 +106,7 @@ def fsdp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> d
     replicas = degrees["dp_replicate"]
     if shard * replicas == 1:
         return {}
-    experts = routed_expert_params(m) if m.num_experts > 0 else 0
+    experts = routed_expert_params(m) if m.moe.num_experts > 0 else 0
     dense = (model_facts.params(m).total - experts) / (degrees["tp"] * degrees["pp"])
     expert_ranks = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
     local_experts = experts / (degrees["ep"] * degrees["pp"])
@@ -170,11 +170,11 @@ def ep_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> flo
     """Every MoE layer sends each routed copy of this tp rank's tokens to its expert and back
     (dispatch and combine), each pass; (ep − 1)/ep of them leave the rank."""
     m = cfg.model
-    if m.num_experts <= 0 or degrees["ep"] == 1:
+    if m.moe.num_experts <= 0 or degrees["ep"] == 1:
         return 0.0
     layers = math.ceil(m.n_layers / degrees["pp"])
     moe = min(layers, model_facts.moe_layers(m))
-    copies = microbatch_tokens(cfg, degrees) / degrees["tp"] * m.moe_top_k
+    copies = microbatch_tokens(cfg, degrees) / degrees["tp"] * m.moe.top_k
     size = 2 * 2 * copies * m.dim * ring_share(degrees["ep"]) * moe * layer_passes(cfg, degrees)
     return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "ep"))
 

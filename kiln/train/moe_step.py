@@ -40,7 +40,7 @@ class MoEBalancing(StepHook):
         pipeline_group: dist.ProcessGroup | None,
     ):
         self.model_parts, self.grad_scale = model_parts, grad_scale
-        self.bias_update_rate = cfg.model.moe_bias_update_rate
+        self.bias_update_rate = cfg.model.moe.bias_update_rate
         self.data_ranks, self.pipeline_group = parallel.data_ranks, pipeline_group
         # The ranks holding the other tokens of a micro-batch (data, cp and tp ranks), and those
         # holding the other parts of this rank's sequences (cp and tp ranks). Created here, on

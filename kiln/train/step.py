@@ -312,7 +312,7 @@ def step_hooks(
     stats = expert_parallel_stats(model_parts)
     if stats is not None:
         hooks.append(ExpertParallelHook(ExpertParallelStep(stats, parallel.ep_mesh().get_group())))
-    if cfg.model.num_experts > 0:
+    if cfg.model.moe.num_experts > 0:
         hooks.append(
             MoEBalancing(
                 cfg,

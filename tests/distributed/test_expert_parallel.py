@@ -27,20 +27,20 @@ from tests.distributed.test_moe_parity import moe_mismatches
 
 SOFTMAX = (
     "--model.preset=debug_moe",
-    "--model.moe_shared_experts=0",
-    "--model.moe_aux_loss_weight=0.01",
-    "--model.moe_router_z_loss_weight=0.001",
+    "--model.moe.shared_experts=0",
+    "--model.moe.aux_loss_weight=0.01",
+    "--model.moe.router_z_loss_weight=0.001",
 )
 SIGMOID = (
     "--model.preset=debug_moe",
-    "--model.moe_router=sigmoid",
-    "--model.moe_shared_experts=1",
-    "--model.moe_aux_loss_weight=0",
-    "--model.moe_seq_aux_loss_weight=0.01",
-    "--model.moe_router_z_loss_weight=0",
-    "--model.moe_bias_update_rate=0.01",
+    "--model.moe.router=sigmoid",
+    "--model.moe.shared_experts=1",
+    "--model.moe.aux_loss_weight=0",
+    "--model.moe.seq_aux_loss_weight=0.01",
+    "--model.moe.router_z_loss_weight=0",
+    "--model.moe.bias_update_rate=0.01",
 )
-NO_SWITCH_LOSS = ("--model.moe_aux_loss_weight=0",)
+NO_SWITCH_LOSS = ("--model.moe.aux_loss_weight=0",)
 WHOLE_BATCH = ("--train.batch_size=8",)
 L4 = ("--model.n_layers=4",)
 PIPELINE = ("--distributed.pp=2", "--distributed.pp_microbatches=2", "--train.batch_size=4", *L4)
@@ -119,7 +119,7 @@ LAYOUTS = {
     "ep=2, capacity factor 1.0": (
         2,
         ["--distributed.ep=2", "--train.batch_size=4"],
-        (*SOFTMAX, *NO_SWITCH_LOSS, "--model.moe_capacity_factor=1.0"),
+        (*SOFTMAX, *NO_SWITCH_LOSS, "--model.moe.capacity_factor=1.0"),
         ("--train.batch_size=4", "--train.grad_accum_steps=2"),
     ),
 }
@@ -163,7 +163,7 @@ def test_expert_parallel_layout_matches_one_process(layout, runs):
     assert len(last["ep/sent_tokens"]) == ep and sum(last["ep/sent_tokens"]) > 0
     assert sum(last["ep/sent_tokens"]) == sum(last["ep/received_tokens"])
     assert sum(last["ep/sent_bytes"]) == sum(last["ep/received_bytes"])
-    if "--model.moe_capacity_factor=1.0" in router:
+    if "--model.moe.capacity_factor=1.0" in router:
         # Some expert got more than the mean, so more than its capacity: tokens were dropped.
         assert max(expected[step]["moe/imbalance_max"] for step in expected) > 1.0
 
@@ -209,8 +209,8 @@ def test_checkpoint_resumes_at_another_expert_degree(layout, runs, train, tmp_pa
 
 # debug_moe shaped as each family can express it (Mixtral: every block MoE; Qwen3-MoE: q/k norms).
 EXPORTS = {
-    "MixtralForCausalLM": ("--model.moe_first_dense_layers=0", "--model.moe_shared_experts=0"),
-    "Qwen3MoeForCausalLM": ("--model.qk_norm=true", "--model.moe_shared_experts=0"),
+    "MixtralForCausalLM": ("--model.moe.first_dense_layers=0", "--model.moe.shared_experts=0"),
+    "Qwen3MoeForCausalLM": ("--model.qk_norm=true", "--model.moe.shared_experts=0"),
 }
 
 

@@ -28,10 +28,10 @@ from tests.distributed.parity import (
 # The debug_moe preset with every balancing feature on.
 MOE = (
     "--model.preset=debug_moe",
-    "--model.moe_aux_loss_weight=0.01",
-    "--model.moe_seq_aux_loss_weight=0.01",
-    "--model.moe_router_z_loss_weight=0.001",
-    "--model.moe_bias_update_rate=0.01",
+    "--model.moe.aux_loss_weight=0.01",
+    "--model.moe.seq_aux_loss_weight=0.01",
+    "--model.moe.router_z_loss_weight=0.001",
+    "--model.moe.bias_update_rate=0.01",
 )
 WHOLE_BATCH = ("--train.batch_size=8",)
 # Four layers (one dense, three MoE): four pipeline stages for virtual stages, and under

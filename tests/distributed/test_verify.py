@@ -85,8 +85,8 @@ def test_the_proxy_of_a_large_moe_recipe_keeps_experts_and_top_k(tmp_path):
     cfg = load_config(REPO / "configs" / "train" / "moe_ep_32gpu.toml")
     proxy = proxy_config(cfg, 32, steps=2, run_dir=tmp_path, data_path="demo")
     m, full = proxy.model, cfg.model
-    assert (m.num_experts, m.moe_top_k) == (full.num_experts, full.moe_top_k)
-    assert m.moe_ffn_hidden_dim == 32 and (proxy.distributed.ep, proxy.distributed.tp) == (2, 4)
+    assert (m.moe.num_experts, m.moe.top_k) == (full.moe.num_experts, full.moe.top_k)
+    assert m.moe.ffn_hidden_dim == 32 and (proxy.distributed.ep, proxy.distributed.tp) == (2, 4)
 
 
 def test_averaged_instead_of_summed_gradients_are_caught(verify_on_gangs):

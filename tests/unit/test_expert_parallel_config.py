@@ -9,7 +9,14 @@ import tomllib
 import pytest
 
 from kiln.cli import main
-from kiln.config import JobConfig, ModelConfig, config_from_dict, load_config, resolve_layout
+from kiln.config import (
+    JobConfig,
+    ModelConfig,
+    MoEConfig,
+    config_from_dict,
+    load_config,
+    resolve_layout,
+)
 from kiln.config.load import MODEL_PRESET_DIR
 from kiln.config.validate import collect_problems
 from kiln.config.validate_moe import moe_presets
@@ -22,8 +29,8 @@ MOE_PRESETS = (
 )
 
 
-def _problems(world_size: int, ep: int, **model) -> list[str]:
-    cfg = JobConfig(model=ModelConfig(**model))
+def _problems(world_size: int, ep: int, **moe) -> list[str]:
+    cfg = JobConfig(model=ModelConfig(moe=MoEConfig(**moe)))
     cfg.distributed.ep = ep
     return collect_problems(cfg, world_size)
 
@@ -37,14 +44,14 @@ def test_ep_on_a_dense_preset_names_the_fix_and_the_moe_presets():
     (message,) = _preset_problems("llama3_8b", 2, ep=2)
     assert message == (
         "distributed.ep = 2 (expert parallel) splits the experts of a Mixture-of-Experts model "
-        "over 2 ranks, but this model is dense (model.num_experts = 0, model.preset = "
+        "over 2 ranks, but this model is dense (model.moe.num_experts = 0, model.preset = "
         f"'llama3_8b'): set distributed.ep = 1, or pick an MoE preset ({MOE_PRESETS})"
     )
 
 
 def test_ep_on_a_dense_model_without_a_preset():
     (message,) = _problems(4, 4)
-    assert "but this model is dense (model.num_experts = 0, no model.preset)" in message
+    assert "but this model is dense (model.moe.num_experts = 0, no model.preset)" in message
     assert "set distributed.ep = 1" in message
 
 
@@ -52,11 +59,11 @@ def test_the_moe_presets_listed_are_the_shipped_presets_with_experts():
     with_experts = []
     for path in sorted(MODEL_PRESET_DIR.glob("*.toml")):
         with path.open("rb") as f:
-            if tomllib.load(f).get("num_experts", 0) > 0:
+            if tomllib.load(f).get("moe", {}).get("num_experts", 0) > 0:
                 with_experts.append(path.stem)
     assert moe_presets() == with_experts == MOE_PRESETS.split(", ")
     for name in with_experts:
-        assert config_from_dict({"model": {"preset": name}}).model.num_experts > 0
+        assert config_from_dict({"model": {"preset": name}}).model.moe.num_experts > 0
 
 
 @pytest.mark.parametrize(
@@ -68,16 +75,16 @@ def test_the_moe_presets_listed_are_the_shipped_presets_with_experts():
     ],
 )
 def test_ep_must_divide_the_experts(experts, ep, choices):
-    (message,) = _problems(ep, ep, num_experts=experts, moe_top_k=2)
+    (message,) = _problems(ep, ep, num_experts=experts, top_k=2)
     assert message == (
-        f"distributed.ep = {ep} must divide model.num_experts = {experts} (each ep rank holds "
+        f"distributed.ep = {ep} must divide model.moe.num_experts = {experts} (each ep rank holds "
         f"the same number of experts); choose distributed.ep from {choices}"
     )
 
 
 def test_ep_must_divide_a_preset_expert_count():
     (message,) = _preset_problems("qwen3_30b_a3b", 12, ep=3, tp=4, dp_shard=1)
-    assert "distributed.ep = 3 must divide model.num_experts = 128" in message
+    assert "distributed.ep = 3 must divide model.moe.num_experts = 128" in message
     assert "choose distributed.ep from 1, 2, 4, 8, 16, 32, 64, 128 (nearest: 2 or 4)" in message
 
 
@@ -120,8 +127,14 @@ def test_the_32gpu_ep_recipe_is_the_reference_benchmark():
         "ep": 2,
     }
     m, t = cfg.model, cfg.train
-    assert (m.preset, m.dim, m.n_layers, m.num_experts, m.moe_top_k) == ("moe_4b", 2048, 24, 8, 2)
-    assert m.num_experts % cfg.distributed.ep == 0
+    assert (m.preset, m.dim, m.n_layers, m.moe.num_experts, m.moe.top_k) == (
+        "moe_4b",
+        2048,
+        24,
+        8,
+        2,
+    )
+    assert m.moe.num_experts % cfg.distributed.ep == 0
     assert (t.batch_size, t.activation_checkpointing) == (12, "full")
     text = EP_RECIPE.read_text()
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is load-bearing" in text

@@ -13,7 +13,7 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import compute_error
 
 from kiln.cli import main
-from kiln.config import JobConfig, ModelConfig
+from kiln.config import JobConfig, ModelConfig, MoEConfig
 from kiln.config.sections import Float8Config, TrainConfig
 from kiln.config.validate import collect_problems
 from kiln.errors import ConfigError
@@ -65,8 +65,8 @@ def test_routers_misaligned_layers_and_named_layers_stay_in_bf16():
 def test_moe_routers_and_routed_experts_stay_in_bf16():
     cfg = ModelConfig(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64,
-        ffn_hidden_dim=128, num_experts=4, moe_top_k=2, moe_ffn_hidden_dim=64,
-        moe_first_dense_layers=1, moe_shared_experts=1,
+        ffn_hidden_dim=128,
+        moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_dim=64, first_dense_layers=1, shared_experts=1),
     )  # fmt: skip
     plan = float8_layer_plan(build_model(cfg), job(cfg), tp=1, excluded=EXCLUDED)
     assert plan["layers.1.feed_forward.router.gate"] == "kept out of float8 ('router')"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,8 @@ def test_hf_to_kiln_logits_match(converted, variant):
         expected = hf_model(tokens).logits
         assert _max_diff(model(tokens), expected) <= TOLERANCE
         # The routing rule matters: the same weights with the other renormalization are far off.
-        other = dataclasses.replace(model.cfg, moe_route_norm=not model.cfg.moe_route_norm)
+        flipped = dataclasses.replace(model.cfg.moe, route_norm=not model.cfg.moe.route_norm)
+        other = dataclasses.replace(model.cfg, moe=flipped)
         other_model = materialize(build_model(other), device="cpu", seed=None)
         other_model.load_state_dict(model.state_dict())
         assert _max_diff(other_model(tokens), expected) > 100 * TOLERANCE
@@ -127,15 +129,15 @@ def test_hf_to_kiln_logits_match(converted, variant):
 @pytest.mark.parametrize(
     ("variant", "expected"),
     [
-        ("mixtral", dict(n_layers=2, num_experts=4, moe_top_k=2, moe_route_norm=True)),
-        ("qwen3", dict(qk_norm=True, moe_route_norm=False, moe_first_dense_layers=1)),
-        ("qwen3-sparse", dict(moe_frequency=2, moe_first_dense_layers=1, moe_top_k=3)),
+        ("mixtral", {"n_layers": 2, "moe.num_experts": 4, "moe.top_k": 2, "moe.route_norm": True}),
+        ("qwen3", {"qk_norm": True, "moe.route_norm": False, "moe.first_dense_layers": 1}),
+        ("qwen3-sparse", {"moe.frequency": 2, "moe.first_dense_layers": 1, "moe.top_k": 3}),
     ],
 )
 def test_hf_to_kiln_maps_config(converted, variant, expected):
     cfg = read_model_config(converted[variant][2])
-    assert {key: getattr(cfg, key) for key in expected} == expected
-    assert cfg.moe_router == "softmax_topk" and cfg.moe_shared_experts == 0
+    assert {key: attrgetter(key)(cfg) for key in expected} == expected
+    assert cfg.moe.router == "softmax_topk" and cfg.moe.shared_experts == 0
     assert cfg.qk_norm is (variant != "mixtral")
     hf = VARIANTS[variant]
     assert cfg.expert_hidden_dim == hf.get("moe_intermediate_size", hf["intermediate_size"])
@@ -173,9 +175,11 @@ def test_fused_expert_layout_is_read(converted, variant, tmp_path):
         assert torch.equal(tensor, fused[name]), name
 
 
-def _kiln_cfg(variant: str, **changes) -> ModelConfig:
+def _kiln_cfg(variant: str, moe: dict | None = None, **changes) -> ModelConfig:
+    """The kiln model of `variant`, with these [model] keys and [model.moe] keys (`moe`) changed."""
     cfg = model_config_from_hf(_hf_config(variant).to_dict())
-    return dataclasses.replace(cfg, init_std=0.1, **changes)
+    moe_cfg = dataclasses.replace(cfg.moe, **(moe or {}))
+    return dataclasses.replace(cfg, init_std=0.1, moe=moe_cfg, **changes)
 
 
 def _save_kiln(tmp_path: Path, cfg: ModelConfig) -> tuple[Transformer, Path]:
@@ -201,8 +205,8 @@ EXPORTS = pytest.mark.parametrize(
         ("mixtral", {}, "MixtralForCausalLM"),
         ("mixtral", {"tie_embeddings": True}, "MixtralForCausalLM"),
         ("qwen3", {}, "Qwen3MoeForCausalLM"),
-        ("qwen3", {"n_layers": 4, "moe_frequency": 2, "moe_first_dense_layers": 0}, "Qwen3Moe"),
-        ("qwen3", {"n_layers": 4, "moe_frequency": 2, "moe_first_dense_layers": 1}, "Qwen3Moe"),
+        ("qwen3", {"n_layers": 4, "moe": {"frequency": 2, "first_dense_layers": 0}}, "Qwen3Moe"),
+        ("qwen3", {"n_layers": 4, "moe": {"frequency": 2, "first_dense_layers": 1}}, "Qwen3Moe"),
     ],
     ids=["mixtral", "mixtral-tied", "qwen3", "qwen3-even", "qwen3-odd"],
 )
@@ -296,7 +300,7 @@ def test_unsupported_variants_are_refused(converted, tmp_path, variant, change, 
 
 
 def test_nonzero_expert_bias_is_not_exported(tmp_path):
-    cfg = _kiln_cfg("mixtral", moe_bias_update_rate=0.001)
+    cfg = _kiln_cfg("mixtral", moe={"bias_update_rate": 0.001})
     model = materialize(build_model(cfg), device="cpu", seed=3)
     model.layers["1"].feed_forward.router.expert_bias.copy_(torch.tensor([0.1, 0, 0, -0.1]))
     save_checkpoint(
@@ -317,16 +321,16 @@ def test_nonzero_expert_bias_is_not_exported(tmp_path):
 @pytest.mark.parametrize(
     ("variant", "change", "message"),
     [
-        ("mixtral", {"moe_router": "sigmoid"}, "moe_router = 'sigmoid'"),
-        ("mixtral", {"moe_route_scale": 2.5}, "moe_route_scale = 2.5"),
-        ("mixtral", {"moe_route_norm": False}, "moe_route_norm = false"),
-        ("mixtral", {"moe_first_dense_layers": 1}, "dense blocks"),
-        ("qwen3", {"moe_shared_experts": 1}, "moe_shared_experts = 1"),
-        ("qwen3", {"moe_n_groups": 2, "moe_topk_groups": 1}, "group-limited routing"),
+        ("mixtral", {"router": "sigmoid"}, r"moe\.router = 'sigmoid'"),
+        ("mixtral", {"route_scale": 2.5}, r"moe\.route_scale = 2\.5"),
+        ("mixtral", {"route_norm": False}, r"moe\.route_norm = false"),
+        ("mixtral", {"first_dense_layers": 1}, "dense blocks"),
+        ("qwen3", {"shared_experts": 1}, r"moe\.shared_experts = 1"),
+        ("qwen3", {"n_groups": 2, "topk_groups": 1}, "group-limited routing"),
     ],
 )
 def test_unexportable_moe_models_are_refused(tmp_path, variant, change, message):
-    _, ckpt = _save_kiln(tmp_path, _kiln_cfg(variant, **change))
+    _, ckpt = _save_kiln(tmp_path, _kiln_cfg(variant, moe=change))
     family = "Mixtral" if variant == "mixtral" else "Qwen3-MoE"
     with pytest.raises(
         KilnError,

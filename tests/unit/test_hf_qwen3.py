@@ -107,11 +107,11 @@ def test_hf_to_kiln_maps_the_shape(converted, variant):
     assert cfg.qk_norm and cfg.tie_embeddings is variant.endswith("-tied")
     assert (cfg.rope_theta, cfg.norm_eps) == (1000000.0, 1e-6)
     if variant.startswith("moe"):
-        assert (cfg.num_experts, cfg.moe_top_k, cfg.expert_hidden_dim) == (4, 2, 32)
-        assert cfg.moe_route_norm and cfg.moe_router == "softmax_topk"
+        assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.expert_hidden_dim) == (4, 2, 32)
+        assert cfg.moe.route_norm and cfg.moe.router == "softmax_topk"
         assert all(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     else:
-        assert (cfg.num_experts, cfg.ffn_hidden_dim) == (0, 96)
+        assert (cfg.moe.num_experts, cfg.ffn_hidden_dim) == (0, 96)
     wq = _load_kiln(ckpt).layers["0"].attention.wq.weight
     assert wq.shape == (4 * HEAD_DIM, 64)
     assert ("lm_head.weight" in load_file(hf_dir / "model.safetensors")) is not cfg.tie_embeddings

@@ -7,21 +7,25 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, MoEConfig
 from kiln.model.moe import AuxLossScale, MoEFeedForward, update_expert_biases
 from kiln.model.moe.balancing import load_balance_sum, router_z_sum, sequence_balance_sum
 
 DIM, EXPERTS, TOP_K = 16, 4, 2
-WEIGHTS = {"moe_aux_loss_weight": 0.1, "moe_seq_aux_loss_weight": 0.05}
-WEIGHTS["moe_router_z_loss_weight"] = 0.01
+WEIGHTS = {"aux_loss_weight": 0.1, "seq_aux_loss_weight": 0.05, "router_z_loss_weight": 0.01}
 
 
 def make_moe(**overrides) -> MoEFeedForward:
+    """An MoE block with these [model.moe] keys changed."""
     cfg = ModelConfig(
-        dim=DIM, n_heads=2, n_kv_heads=1, ffn_hidden_dim=32, num_experts=EXPERTS, moe_top_k=TOP_K
+        dim=DIM,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_hidden_dim=32,
+        moe=MoEConfig(num_experts=EXPERTS, top_k=TOP_K),
     )
     for key, value in overrides.items():
-        setattr(cfg, key, value)
+        setattr(cfg.moe, key, value)
     moe = MoEFeedForward(cfg)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -96,7 +100,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("router", ["softmax_topk", "sigmoid"])
 def test_injected_gradient_equals_the_naive_total_loss(router):
-    moe, x = make_moe(moe_router=router, **WEIGHTS), batch()
+    moe, x = make_moe(router=router, **WEIGHTS), batch()
     target = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     out = moe(x)
     (out * target).sum().backward()
@@ -115,7 +119,7 @@ def test_injected_gradient_equals_the_naive_total_loss(router):
     expected = grads(plain)
     for name, grad in grads(moe).items():
         assert close(grad, expected[name]), name
-    without = make_moe(moe_router=router)
+    without = make_moe(router=router)
     (without(x) * target).sum().backward()
     gate = "router.gate.weight"
     assert not torch.allclose(grads(moe)[gate], grads(without)[gate], rtol=1e-3)
@@ -143,7 +147,7 @@ def test_scale_multiplies_the_sums():
     x = batch()
     losses = {}
     for per_token, per_sequence in ((None, None), (3.0 / 15, 3.0 / 3)):
-        moe = make_moe(moe_router_z_loss_weight=1.0, moe_seq_aux_loss_weight=1.0)
+        moe = make_moe(router_z_loss_weight=1.0, seq_aux_loss_weight=1.0)
         moe(x, AuxLossScale(per_token=per_token, per_sequence=per_sequence)).sum().backward()
         losses[per_token] = moe.router.gate.weight.grad
     plain = make_moe()

@@ -2,12 +2,13 @@
 training forward/backward in one process."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from kiln.config import JobConfig, ModelConfig
+from kiln.config import JobConfig, ModelConfig, MoEConfig
 from kiln.model import KVCache, build_model, count_params, flops_per_token, materialize
 from kiln.model import init as tiled
 from kiln.model.feed_forward import FeedForward
@@ -22,15 +23,17 @@ MOE = ModelConfig(
     vocab_size=61,
     ffn_hidden_dim=48,
     max_seq_len=32,
-    num_experts=4,
-    moe_top_k=2,
-    moe_first_dense_layers=1,
-    moe_frequency=2,
-    moe_ffn_hidden_dim=16,
-    moe_shared_experts=2,
-    moe_shared_expert_gate=True,
-    moe_aux_loss_weight=0.01,
-    moe_router_z_loss_weight=0.001,
+    moe=MoEConfig(
+        num_experts=4,
+        top_k=2,
+        first_dense_layers=1,
+        frequency=2,
+        ffn_hidden_dim=16,
+        shared_experts=2,
+        shared_expert_gate=True,
+        aux_loss_weight=0.01,
+        router_z_loss_weight=0.001,
+    ),
 )
 
 
@@ -66,8 +69,7 @@ def test_param_counts_total_and_active():
     assert counts.total == sum(p.numel() for p in model.parameters())
     unused_experts = 2 * (4 - 2) * 3 * 32 * 16  # two MoE layers, 2 of 4 experts idle per token
     assert counts.active == counts.total - unused_experts
-    dense = ModelConfig(**{**MOE.__dict__, "num_experts": 0, "moe_shared_experts": 0})
-    dense.moe_shared_expert_gate = False
+    dense = replace(MOE, moe=MoEConfig())
     assert count_params(dense).active == count_params(dense).total
     # FLOPs count the weights a token goes through: the router, 2 experts, the shared experts.
     moe_layer = 32 * 4 + 2 * 3 * 32 * 16 + 3 * 32 * 32 + 32
@@ -90,7 +92,7 @@ def test_materialize_from_meta_zeroes_the_balancing_buffers():
 
 
 def test_init_std_and_layout_independence():
-    cfg = ModelConfig(**{**MOE.__dict__, "dim": 128, "moe_ffn_hidden_dim": 256, "n_heads": 4})
+    cfg = replace(MOE, dim=128, n_heads=4, moe=replace(MOE.moe, ffn_hidden_dim=256))
     model = materialize(build_model(cfg), device="cpu", seed=0)
     moe = model.layers["1"].feed_forward
     assert abs(moe.experts.w1.std().item() - 0.02) < 0.001
@@ -126,7 +128,7 @@ def test_the_moe_block_returns_a_tensor_of_its_own(shared, aux):
     """FSDP2 warns that a unit which returns a view "can produce wrong gradients": under expert
     parallel the MoE block is such a unit, so its output must be no view (of its flat result,
     or of the identity that attaches the balancing loss)."""
-    cfg = ModelConfig(**{**MOE.__dict__, "moe_shared_experts": shared, "moe_aux_loss_weight": aux})
+    cfg = replace(MOE, moe=replace(MOE.moe, shared_experts=shared, aux_loss_weight=aux))
     block = materialize(build_model(cfg), device="cpu", seed=0).layers["1"].feed_forward
     x = torch.randn(2, 12, 32, requires_grad=True)
     out = block(x)

@@ -1,10 +1,12 @@
 """The MoE model presets: they validate, have the published sizes, and their FLOPs per token (so
 MFU) count only the parameters a token uses."""
 
+from dataclasses import replace
+
 import pytest
 
 from kiln.cli import main
-from kiln.config import JobConfig, ModelConfig, load_config
+from kiln.config import JobConfig, ModelConfig, MoEConfig, load_config
 from kiln.model import count_params, flops_per_token
 from tests.conftest import REPO
 
@@ -35,8 +37,8 @@ def test_preset_validates_with_its_size(name):
 
 def test_fine_grained_preset_routes_like_deepseek_v3():
     m = preset("deepseek_moe_16b_like").model
-    assert (m.moe_router, m.moe_route_norm, m.moe_bias_update_rate > 0) == ("sigmoid", True, True)
-    assert m.moe_topk_groups < m.moe_n_groups and m.moe_shared_experts == 2
+    assert (m.moe.router, m.moe.route_norm, m.moe.bias_update_rate > 0) == ("sigmoid", True, True)
+    assert m.moe.topk_groups < m.moe.n_groups and m.moe.shared_experts == 2
     assert [m.is_moe_layer(i) for i in range(3)] == [False, True, True]
 
 
@@ -52,9 +54,9 @@ def test_moe_flops_per_token_equal_a_dense_model_with_the_same_active_parameters
     # (2 × 3 × dim × 16); a dense SwiGLU of width 2 × 16 + 6 / 3 = 34 has as many weights.
     moe = ModelConfig(
         dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_hidden_dim=34,
-        num_experts=6, moe_top_k=2, moe_ffn_hidden_dim=16,
+        moe=MoEConfig(num_experts=6, top_k=2, ffn_hidden_dim=16),
     )  # fmt: skip
-    dense = ModelConfig(**{**moe.__dict__, "num_experts": 0})
+    dense = replace(moe, moe=MoEConfig())
     assert count_params(moe).active == count_params(dense).total < count_params(moe).total
     for seq_len in (16, 4096):
         assert flops_per_token(moe, seq_len) == flops_per_token(dense, seq_len)

@@ -27,9 +27,9 @@ def test_micro_batches_train_like_one_batch(debug_overrides, tmp_path):
     # uses the step's counts: splitting the batch changes neither. (The Switch loss takes f_e
     # from each micro-batch's counts, as without a count reduction it must, so it is off here.)
     moe = [
-        "--model.moe_aux_loss_weight=0.0",
-        "--model.moe_seq_aux_loss_weight=0.01",
-        "--model.moe_bias_update_rate=0.01",
+        "--model.moe.aux_loss_weight=0.0",
+        "--model.moe.seq_aux_loss_weight=0.01",
+        "--model.moe.bias_update_rate=0.01",
         "--train.seq_len=32",
     ]
     whole = make_trainer(debug_overrides, *moe, "--train.batch_size=4")
@@ -58,8 +58,8 @@ def test_expert_load_is_logged_and_idle_experts_are_named(debug_overrides, tmp_p
     per-expert fractions of the assignments."""
     trainer = make_trainer(
         debug_overrides,
-        "--model.num_experts=64",
-        "--model.moe_top_k=1",
+        "--model.moe.num_experts=64",
+        "--model.moe.top_k=1",
         "--train.seq_len=16",
         "--train.batch_size=1",
         "--train.max_steps=3",

@@ -90,7 +90,7 @@ def test_backends_hold_what_metrics_jsonl_holds_across_a_resume(tmp_path, demo_d
     # which sorts before `<name>/` (a failure seen in a fresh-clone run).
     first, resumed = sorted((history(f) for f in files), key=min)
     assert {**first, **resumed} == expected and sorted(resumed) == [3, 4]
-    assert config(files[0])["model"]["num_experts"] == 8
+    assert config(files[0])["model"]["moe"]["num_experts"] == 8
 
 
 def test_wandb_online_without_a_network_warns_once_and_logs_offline(tmp_path, monkeypatch, capfd):

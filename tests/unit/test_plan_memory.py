@@ -11,7 +11,7 @@ import torch
 from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
 from kiln.cli import main
-from kiln.config import JobConfig, ModelConfig
+from kiln.config import JobConfig, ModelConfig, MoEConfig
 from kiln.config.sections import OptimizerConfig
 from kiln.model import build_model, count_params
 from kiln.model.llama.model import Block
@@ -195,15 +195,17 @@ def muon_params(m: ModelConfig) -> int:
         {},
         dict(tie_embeddings=True),
         dict(qk_norm=True),
-        dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_dim=64, moe_first_dense_layers=1),
+        dict(moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_dim=64, first_dense_layers=1)),
         dict(
-            num_experts=4,
-            moe_top_k=2,
-            moe_ffn_hidden_dim=64,
-            moe_shared_experts=1,
-            moe_shared_expert_gate=True,
-            moe_router="sigmoid",
-            moe_bias_update_rate=0.01,
+            moe=MoEConfig(
+                num_experts=4,
+                top_k=2,
+                ffn_hidden_dim=64,
+                shared_experts=1,
+                shared_expert_gate=True,
+                router="sigmoid",
+                bias_update_rate=0.01,
+            )
         ),
     ],
 )
@@ -246,13 +248,13 @@ def test_muon_counts_the_routed_experts_as_its_matrices():
     assert model_state_bytes(cfg.model, layout, "muon") == pytest.approx(dense + 12 * experts / 8)
 
 
-MOE = dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=256)
+MOE = dict(num_experts=8, top_k=2, ffn_hidden_dim=256)
 
 
-def moe_job(ac: str = "none", **model) -> JobConfig:
+def moe_job(ac: str = "none", **moe) -> JobConfig:
+    """`job(ac)` with experts: MOE's [model.moe] keys and these."""
     cfg = job(ac)
-    for key, value in {**MOE, **model}.items():
-        setattr(cfg.model, key, value)
+    cfg.model.moe = MoEConfig(**{**MOE, **moe})
     return cfg
 
 
@@ -294,8 +296,8 @@ def test_expert_parallel_ranks_count_as_sharding_ranks():
 
 
 def test_expert_weight_dims_are_dims_1_and_2_of_the_stacked_weights():
-    m = ModelConfig(dim=96, num_experts=4, moe_top_k=1, moe_ffn_hidden_dim=40)
-    experts = GroupedExperts(m.num_experts, m.dim, m.expert_hidden_dim)
+    m = ModelConfig(dim=96, moe=MoEConfig(num_experts=4, top_k=1, ffn_hidden_dim=40))
+    experts = GroupedExperts(m.moe.num_experts, m.dim, m.expert_hidden_dim)
     assert expert_weight_dims(m) == {n: tuple(p.shape[1:]) for n, p in experts.named_parameters()}
     assert expert_weight_dims(m) == {"w1": (40, 96), "w2": (96, 40), "w3": (40, 96)}
 
@@ -304,9 +306,9 @@ def test_expert_weight_dims_are_dims_1_and_2_of_the_stacked_weights():
 def test_whole_expert_weights_are_those_fsdp_leaves_on_the_expert_dimension(ranks):
     """The estimate's per-weight rule is the placement kiln gives FSDP (parallel/fsdp.py): a
     weight is split in whole experts exactly where its placement falls back to the default."""
-    m = ModelConfig(dim=96, num_experts=4, moe_top_k=1, moe_ffn_hidden_dim=48)
+    m = ModelConfig(dim=96, moe=MoEConfig(num_experts=4, top_k=1, ffn_hidden_dim=48))
     placement = _within_experts(ranks)
-    experts = GroupedExperts(m.num_experts, m.dim, m.expert_hidden_dim)
+    experts = GroupedExperts(m.moe.num_experts, m.dim, m.expert_hidden_dim)
     defaulted = tuple(n for n, p in experts.named_parameters() if placement(p) is None)
     assert sorted(expert_shards(m, {**ONE, "dp_shard": ranks}).whole) == sorted(defaulted)
 
@@ -347,7 +349,7 @@ def test_rows_that_do_not_divide_leave_whole_experts_on_the_busiest_rank():
     )
     # Hidden 192 divides by 6 and dim 512 does not: w1 and w3 split their rows, w2 (experts,
     # dim, hidden) its columns, 4/6 of an expert each, no padding.
-    narrow = moe_job(moe_ffn_hidden_dim=192)
+    narrow = moe_job(ffn_hidden_dim=192)
     experts = routed_expert_params(narrow.model)
     dense = count_params(narrow.model).total - experts
     shards = expert_shards(narrow.model, layout)
@@ -356,7 +358,7 @@ def test_rows_that_do_not_divide_leave_whole_experts_on_the_busiest_rank():
     expected = 16 * (dense / 12 + experts * shards.stored / 8)
     assert estimate_memory(narrow, layout).model_state == pytest.approx(expected)
     # Rows that do not divide but experts that do: whole experts, no padding.
-    m = ModelConfig(dim=100, num_experts=12, moe_top_k=1, moe_ffn_hidden_dim=100)
+    m = ModelConfig(dim=100, moe=MoEConfig(num_experts=12, top_k=1, ffn_hidden_dim=100))
     shards = expert_shards(m, {**ONE, "dp_shard": 3})
     assert shards.whole == ("w1", "w2", "w3") and not shards.padded and shards.stored == 4
 
@@ -367,7 +369,7 @@ def test_expert_chunks_are_fsdp2s(local, ranks):
     torch's FSDP2 stores on every rank (its rank 0's, padded on the others) when it shards the
     expert dimension."""
     chunks = _chunk_with_empty(torch.empty(local, 1), ranks, dim=0)
-    m = ModelConfig(dim=1001, num_experts=2 * local, moe_top_k=1, moe_ffn_hidden_dim=1001)
+    m = ModelConfig(dim=1001, moe=MoEConfig(num_experts=2 * local, top_k=1, ffn_hidden_dim=1001))
     shards = expert_shards(m, {**ONE, "ep": 2, "dp_shard": ranks})
     assert (shards.local, shards.ranks, shards.whole) == (local, ranks, ("w1", "w2", "w3"))
     assert shards.chunk == shards.stored == len(chunks[0])
@@ -377,7 +379,7 @@ def test_expert_chunks_are_fsdp2s(local, ranks):
 def test_split_rows_are_fsdp2s(local, ranks):
     """Where the rows divide, every rank stores rows / ranks of each expert: local / ranks
     experts' worth, whatever the number of experts."""
-    m = ModelConfig(dim=256, num_experts=2 * local, moe_top_k=1, moe_ffn_hidden_dim=512)
+    m = ModelConfig(dim=256, moe=MoEConfig(num_experts=2 * local, top_k=1, ffn_hidden_dim=512))
     chunks = _chunk_with_empty(torch.empty(local, m.dim, 1), ranks, dim=1)
     assert {chunk.shape for chunk in chunks} == {(local, m.dim // ranks, 1)}
     shards = expert_shards(m, {**ONE, "ep": 2, "dp_shard": ranks})
@@ -397,7 +399,7 @@ def test_kiln_check_names_the_expert_share_and_the_padding(capsys):
     assert main(["check", recipe, "--config-only", "--world-size", "16", "--distributed.ep=2"]) == 0
     assert "# experts:" not in capsys.readouterr().out
     # Over 6 ranks dim 128 does not divide, hidden 96 does: every weight splits by it.
-    narrow = ["--world-size", "12", "--distributed.ep=2", "--model.moe_ffn_hidden_dim=96"]
+    narrow = ["--world-size", "12", "--distributed.ep=2", "--model.moe.ffn_hidden_dim=96"]
     assert main(["check", recipe, "--config-only", *narrow]) == 0
     assert "# experts:" not in capsys.readouterr().out
     assert main(["check", recipe, "--config-only", "--world-size", "12", "--distributed.ep=2"]) == 0
@@ -414,20 +416,20 @@ def test_moe_activations_grow_with_top_k_not_with_the_number_of_experts():
     more_experts = estimate_memory(moe_job(num_experts=16), ONE).activations
     # Only the router's three fp32 score rows grow with the experts.
     assert more_experts - base == layers * tokens * 3 * 4 * 8
-    top4 = estimate_memory(moe_job(moe_top_k=4), ONE).activations
+    top4 = estimate_memory(moe_job(top_k=4), ONE).activations
     per_copy = 2 * (3 * 512 + 4 * 256) + 8 + 8 + 4  # rows in/out/combined, 4 hidden, index, weight
     assert top4 - base == layers * tokens * 2 * per_copy
 
 
 def test_moe_blocks_after_dense_ones_and_checkpointing():
-    first_dense = moe_job("none", moe_first_dense_layers=2)
+    first_dense = moe_job("none", first_dense_layers=2)
     dense_layer, moe_layer = (layer_bytes_per_token(first_dense.model, moe=m) for m in (0, 1))
     # An MoE block keeps attention, its norm's input and the MoE feed-forward's own rows.
     assert moe_layer == LAYER - 1024 - 8192 + moe_ffn_bytes_per_token(first_dense.model)
     tokens = 2048
     none = activation_bytes(first_dense, ONE)
     assert none.kept == tokens * (2 * dense_layer + 6 * moe_layer)
-    full = activation_bytes(moe_job("full", moe_first_dense_layers=2), ONE)
+    full = activation_bytes(moe_job("full", first_dense_layers=2), ONE)
     # Every block keeps its input, and one block (an MoE one, the bigger) is being recomputed.
     assert full.kept == tokens * 8 * 2 * 512
     assert full.recompute == tokens * (moe_layer + TRANSIENT)
@@ -464,16 +466,18 @@ def _saved_bytes(module: torch.nn.Module, tokens: int, dim: int) -> int:
 @pytest.mark.parametrize(
     "model",
     [
-        dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=128),
-        dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_dim=128, moe_shared_experts=1),
+        dict(moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_dim=128)),
+        dict(moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_dim=128, shared_experts=1)),
         dict(
             dim=256,
-            num_experts=16,
-            moe_top_k=4,
-            moe_ffn_hidden_dim=64,
-            moe_router="sigmoid",
-            moe_aux_loss_weight=0.01,
-            moe_router_z_loss_weight=0.001,
+            moe=MoEConfig(
+                num_experts=16,
+                top_k=4,
+                ffn_hidden_dim=64,
+                router="sigmoid",
+                aux_loss_weight=0.01,
+                router_z_loss_weight=0.001,
+            ),
         ),
     ],
 )

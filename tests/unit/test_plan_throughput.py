@@ -112,7 +112,7 @@ def test_context_parallel_gathers_keys_and_values_each_layer_and_pass():
 
 def test_expert_parallel_sends_every_routed_copy_there_and_back():
     cfg = job("none")
-    cfg.model.num_experts, cfg.model.moe_top_k, cfg.model.moe_ffn_hidden_dim = 8, 2, 256
+    cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.model.moe.ffn_hidden_dim = 8, 2, 256
     cluster = make_cluster(H100, 2, 8)
     # 2048 tokens × top-2 rows of 512, bf16, dispatch and combine, half of them leave, 8 MoE
     # layers, forward and backward.

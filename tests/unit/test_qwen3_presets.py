@@ -57,13 +57,13 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
         attention_bias=False,
         use_sliding_window=False,
     )
-    if cfg.num_experts:
+    if cfg.moe.num_experts:
         moe = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
         kwargs.update(
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.moe_top_k,
+            num_experts=cfg.moe.num_experts,
+            num_experts_per_tok=cfg.moe.top_k,
             moe_intermediate_size=cfg.expert_hidden_dim,
-            norm_topk_prob=cfg.moe_route_norm,
+            norm_topk_prob=cfg.moe.route_norm,
             decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe],
         )
@@ -73,7 +73,7 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 def hf_param_count(cfg: ModelConfig) -> int:
     """Parameters of transformers' model of `cfg`, built on the meta device (no memory; well
     under a second for the 235B model, so every preset is built whole)."""
-    if cfg.num_experts:
+    if cfg.moe.num_experts:
         config, model_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
     else:
         config, model_class = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
@@ -107,7 +107,7 @@ def test_counts_round_to_the_published_sizes(name):
     }
     for key, (published, decimals) in PUBLISHED[name].items():
         assert round(ours[key] / 1e9, decimals) == published, (key, ours[key])
-    if cfg.num_experts == 0:
+    if cfg.moe.num_experts == 0:
         assert counts.active == counts.total
 
 
@@ -122,11 +122,11 @@ def test_preset_validates_with_the_released_qwen3_keys(name):
     assert (cfg.resolved_head_dim, cfg.qk_norm, cfg.vocab_size) == (128, True, 151936)
     assert (cfg.norm_eps, cfg.rope_theta, cfg.max_seq_len) == (1e-6, 1e6, 40960)
     assert cfg.tie_embeddings == (name in ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"))
-    if cfg.num_experts:
-        assert (cfg.num_experts, cfg.moe_top_k, cfg.moe_router) == (128, 8, "softmax_topk")
-        assert cfg.moe_route_norm and all(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    if cfg.moe.num_experts:
+        assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.router) == (128, 8, "softmax_topk")
+        assert cfg.moe.route_norm and all(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
         # router_aux_loss_coef 0.001 over all blocks at once, top_k times kiln's per-block loss.
-        assert cfg.moe_aux_loss_weight == pytest.approx(0.001 * 8 / cfg.n_layers, rel=1e-5)
+        assert cfg.moe.aux_loss_weight == pytest.approx(0.001 * 8 / cfg.n_layers, rel=1e-5)
 
 
 @pytest.mark.parametrize(("name", "gpus"), [("qwen3_8b", 8), ("qwen3_30b_a3b", 16)])

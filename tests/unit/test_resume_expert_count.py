@@ -13,14 +13,14 @@ import torch
 import kiln.train.trainer
 from kiln.checkpoint.fingerprint import run_fingerprint
 from kiln.checkpoint.manager import CheckpointManager, StartKind
-from kiln.config import JobConfig, ModelConfig
+from kiln.config import JobConfig, ModelConfig, MoEConfig
 from kiln.errors import ConfigError
 from kiln.events import EventLog
 from tests.unit.test_trainer import make_trainer
 
 
 def _job(tmp_path, num_experts: int, resume: str = "auto", lr: float = 3e-4) -> JobConfig:
-    cfg = JobConfig(model=ModelConfig(num_experts=num_experts))
+    cfg = JobConfig(model=ModelConfig(moe=MoEConfig(num_experts=num_experts)))
     cfg.metrics.run_dir = str(tmp_path / "run")
     cfg.checkpoint.resume = resume
     cfg.optimizer.lr = lr
@@ -49,19 +49,22 @@ def test_another_expert_count_is_refused_even_when_forced(tmp_path, resume):
     with pytest.raises(ConfigError) as info:
         _start(_job(tmp_path, 4, resume))
     message = str(info.value)
-    assert "step_00000004 holds a model with 8 experts per MoE block (model.num_experts = 8)" in (
-        message
+    assert (
+        "step_00000004 holds a model with 8 experts per MoE block (model.moe.num_experts = 8)"
+        in (message)
     )
     assert "but this model has 4: expert counts cannot change on resume" in message
     assert "not even with checkpoint.resume = 'force'" in message
-    assert "Set model.num_experts = 8 to continue this run, or start a new run" in message
+    assert "Set model.moe.num_experts = 8 to continue this run, or start a new run" in message
     # One message: the other fingerprint changes are not listed beside it.
     assert "->" not in message
 
 
 def test_dense_and_moe_checkpoints_do_not_swap(tmp_path):
     _fake_checkpoint(tmp_path, run_fingerprint(_job(tmp_path, 0), global_batch=8))
-    with pytest.raises(ConfigError, match=r"holds a dense model \(model.num_experts = 0\), but "):
+    with pytest.raises(
+        ConfigError, match=r"holds a dense model \(model.moe.num_experts = 0\), but "
+    ):
         _start(_job(tmp_path, 8, "force"))
 
 
@@ -84,7 +87,7 @@ def test_the_same_expert_count_leaves_force_as_it_was(tmp_path, capsys):
 def test_a_fingerprint_without_the_expert_count_is_not_refused_for_it(tmp_path):
     """A checkpoint of a kiln older than the key: nothing to compare, the usual rules apply."""
     saved = run_fingerprint(_job(tmp_path, 8), global_batch=8)
-    del saved["model.num_experts"]
+    del saved["model.moe.num_experts"]
     _fake_checkpoint(tmp_path, saved)
     assert _start(_job(tmp_path, 4, "force")).kind is StartKind.RESUME
 
@@ -101,5 +104,5 @@ def test_a_trainer_refuses_before_building_the_model(debug_overrides, monkeypatc
     monkeypatch.setattr(kiln.train.trainer, "build_model", no_model)
     with pytest.raises(ConfigError, match=r"8 experts per MoE block.*but this model has 4"):
         make_trainer(
-            moe, "--train.max_steps=8", "--model.num_experts=4", "--checkpoint.resume=force"
+            moe, "--train.max_steps=8", "--model.moe.num_experts=4", "--checkpoint.resume=force"
         )

@@ -43,13 +43,13 @@ def count_params(cfg: ModelConfig) -> ParamCount:
 def _moe_params(cfg: ModelConfig) -> tuple[int, int]:
     """Parameters of one MoE feed-forward: all of them, and those one token uses. Every one of
     them is a matmul weight (router, experts, shared experts and their gate)."""
-    if cfg.num_experts <= 0:
+    if cfg.moe.num_experts <= 0:
         return 0, 0
     d, expert = cfg.dim, 3 * cfg.dim * cfg.expert_hidden_dim
-    always = d * cfg.num_experts + cfg.moe_shared_experts * expert
-    if cfg.moe_shared_experts and cfg.moe_shared_expert_gate:
+    always = d * cfg.moe.num_experts + cfg.moe.shared_experts * expert
+    if cfg.moe.shared_experts and cfg.moe.shared_expert_gate:
         always += d
-    return always + cfg.num_experts * expert, always + cfg.moe_top_k * expert
+    return always + cfg.moe.num_experts * expert, always + cfg.moe.top_k * expert
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -24,8 +24,8 @@ from kiln.model.llama.hf_qwen3 import qwen3_config_from_hf, qwen3_export_problem
 
 def _llama_export_problems(cfg: ModelConfig) -> list[str]:
     problems = []
-    if cfg.num_experts > 0:
-        problems.append(f"model.num_experts = {cfg.num_experts} (Llama is dense)")
+    if cfg.moe.num_experts > 0:
+        problems.append(f"model.moe.num_experts = {cfg.moe.num_experts} (Llama is dense)")
     if cfg.qk_norm:
         problems.append("model.qk_norm = true (Llama's attention does not normalize q and k)")
     return problems
@@ -76,7 +76,7 @@ def export_adapter(cfg: ModelConfig) -> HfAdapter:
     """The architecture with the same attention and feed-forward as `cfg`: q/k norms make it
     Qwen3 (dense) or Qwen3-MoE, else Llama or Mixtral. Raises KilnError when that one would
     compute something else, saying what."""
-    moe = cfg.num_experts > 0
+    moe = cfg.moe.num_experts > 0
     adapter = {(False, False): LLAMA, (False, True): QWEN3, (True, False): MIXTRAL}.get(
         (moe, cfg.qk_norm), QWEN3_MOE
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, MoEConfig
 from kiln.errors import KilnError
 from kiln.model.family import HfPart, NameMap
 from kiln.model.llama.hf_llama import (
@@ -82,12 +82,14 @@ def moe_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         **base_fields(hf, **_DEFAULTS[kind]),
         ffn_hidden_dim=hf["intermediate_size"],
         qk_norm=kind == "qwen3_moe",
-        num_experts=experts,
-        moe_top_k=hf["num_experts_per_tok"],
-        moe_ffn_hidden_dim=expert_dim,
-        moe_router="softmax_topk",
-        moe_route_norm=bool(hf.get("norm_topk_prob", False)) if kind == "qwen3_moe" else True,
-        **layers,
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=hf["num_experts_per_tok"],
+            ffn_hidden_dim=expert_dim,
+            router="softmax_topk",
+            route_norm=bool(hf.get("norm_topk_prob", False)) if kind == "qwen3_moe" else True,
+            **layers,
+        ),
     )
 
 
@@ -98,7 +100,7 @@ def _num_experts(hf: dict[str, Any]) -> int | None:
 
 
 def _qwen3_layers(hf: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
-    """moe_frequency and moe_first_dense_layers for Qwen3-MoE's choice of MoE blocks (block i
+    """moe.frequency and moe.first_dense_layers for Qwen3-MoE's choice of MoE blocks (block i
     is MoE when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0), or the
     problem when kiln's every-k-th-block rule cannot make the same choice."""
     n_layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
@@ -112,14 +114,14 @@ def _qwen3_layers(hf: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
     first = moe[0]
     # One MoE block: any frequency that steps past the last block.
     fields = {
-        "moe_frequency": moe[1] - first if len(moe) > 1 else n_layers - first,
-        "moe_first_dense_layers": first,
+        "frequency": moe[1] - first if len(moe) > 1 else n_layers - first,
+        "first_dense_layers": first,
     }
-    kiln = ModelConfig(n_layers=n_layers, num_experts=1, **fields)
+    kiln = ModelConfig(n_layers=n_layers, moe=MoEConfig(num_experts=1, **fields))
     if [i for i in range(n_layers) if kiln.is_moe_layer(i)] != moe:
         return {}, [
-            f"MoE blocks {moe} ({how}): kiln makes every moe_frequency-th block MoE from "
-            "moe_first_dense_layers on and cannot express this choice"
+            f"MoE blocks {moe} ({how}): kiln makes every moe.frequency-th block MoE from "
+            "moe.first_dense_layers on and cannot express this choice"
         ]
     return fields, []
 
@@ -127,33 +129,33 @@ def _qwen3_layers(hf: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
 def export_family_problems(cfg: ModelConfig, *, kind: str) -> list[str]:
     """Why a kiln model cannot be exported as `kind` (empty: it can)."""
     family = FAMILIES[kind][1]
-    if cfg.num_experts <= 0:
-        return [f"model.num_experts = {cfg.num_experts} ({family} has routed experts)"]
+    if cfg.moe.num_experts <= 0:
+        return [f"model.moe.num_experts = {cfg.moe.num_experts} ({family} has routed experts)"]
     problems = _routing_problems(cfg, family)
     if kind == "mixtral":
-        if not cfg.moe_route_norm:
-            problems.append("model.moe_route_norm = false (Mixtral renormalizes the top-k weights)")
+        if not cfg.moe.route_norm:
+            problems.append("model.moe.route_norm = false (Mixtral renormalizes the top-k weights)")
         if any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
             problems.append(
-                f"dense blocks (moe_first_dense_layers = {cfg.moe_first_dense_layers}, "
-                f"moe_frequency = {cfg.moe_frequency}; every Mixtral block is MoE)"
+                f"dense blocks (moe.first_dense_layers = {cfg.moe.first_dense_layers}, "
+                f"moe.frequency = {cfg.moe.frequency}; every Mixtral block is MoE)"
             )
     return problems
 
 
 def _routing_problems(cfg: ModelConfig, family: str) -> list[str]:
     problems = []
-    if cfg.moe_router != "softmax_topk":
-        problems.append(f"model.moe_router = {cfg.moe_router!r} ({family} uses softmax_topk)")
-    if cfg.moe_route_scale != 1.0:
-        problems.append(f"model.moe_route_scale = {cfg.moe_route_scale} ({family} has no scale)")
-    if cfg.moe_topk_groups < cfg.moe_n_groups:
+    if cfg.moe.router != "softmax_topk":
+        problems.append(f"model.moe.router = {cfg.moe.router!r} ({family} uses softmax_topk)")
+    if cfg.moe.route_scale != 1.0:
+        problems.append(f"model.moe.route_scale = {cfg.moe.route_scale} ({family} has no scale)")
+    if cfg.moe.topk_groups < cfg.moe.n_groups:
         problems.append(
-            f"group-limited routing (moe_n_groups = {cfg.moe_n_groups}, moe_topk_groups = "
-            f"{cfg.moe_topk_groups})"
+            f"group-limited routing (moe.n_groups = {cfg.moe.n_groups}, moe.topk_groups = "
+            f"{cfg.moe.topk_groups})"
         )
-    if cfg.moe_shared_experts:
-        problems.append(f"model.moe_shared_experts = {cfg.moe_shared_experts} (no shared experts)")
+    if cfg.moe.shared_experts:
+        problems.append(f"model.moe.shared_experts = {cfg.moe.shared_experts} (no shared experts)")
     return problems
 
 
@@ -169,7 +171,7 @@ def check_expert_biases(model: nn.Module, *, kind: str) -> None:
         family = FAMILIES[kind][1]
         raise KilnError(
             f"{len(moved)} MoE block(s) have a non-zero router.expert_bias (first: {moved[0]}), "
-            f"set by auxiliary-loss-free balancing (model.moe_bias_update_rate); {family}'s "
+            f"set by auxiliary-loss-free balancing (model.moe.bias_update_rate); {family}'s "
             "router has no such bias, so the exported model would send tokens to other experts "
             "than kiln does"
         )
@@ -183,14 +185,14 @@ def moe_hf_config(
         "architectures": [FAMILIES[kind][0]],
         "model_type": kind,
         **base_hf_config(cfg, dtype, special),
-        "num_experts_per_tok": cfg.moe_top_k,
+        "num_experts_per_tok": cfg.moe.top_k,
         "output_router_logits": False,
         "sliding_window": None,
     }
     if kind == "mixtral":
         config.update(
             intermediate_size=cfg.expert_hidden_dim,
-            num_local_experts=cfg.num_experts,
+            num_local_experts=cfg.moe.num_experts,
             router_jitter_noise=0.0,
         )
         return config
@@ -200,17 +202,17 @@ def moe_hf_config(
         "intermediate_size": cfg.ffn_hidden_dim,
         "moe_intermediate_size": cfg.expert_hidden_dim,
         # Qwen3-MoE's own spelling; transformers 5 maps it onto num_local_experts.
-        "num_experts": cfg.num_experts,
-        "norm_topk_prob": cfg.moe_route_norm,
+        "num_experts": cfg.moe.num_experts,
+        "norm_topk_prob": cfg.moe.route_norm,
         "use_sliding_window": False,
     }
 
 
 def _qwen3_layer_keys(cfg: ModelConfig) -> dict[str, Any]:
     """decoder_sparse_step and mlp_only_layers that make the same blocks MoE as kiln: every
-    moe_frequency-th block when kiln's pattern is aligned to it, else every block but a list."""
+    moe.frequency-th block when kiln's pattern is aligned to it, else every block but a list."""
     moe = {i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)}
-    for step in (cfg.moe_frequency, 1):
+    for step in (cfg.moe.frequency, 1):
         candidates = {i for i in range(cfg.n_layers) if (i + 1) % step == 0}
         if moe <= candidates:
             return {"decoder_sparse_step": step, "mlp_only_layers": sorted(candidates - moe)}
@@ -237,7 +239,7 @@ def _expert_layer(cfg: ModelConfig, kind: str, i: int) -> NameMap:
     for kiln_name, hf_name in _EXPERT_NAMES[kind].items():
         names[f"feed_forward.experts.{kiln_name}"] = [
             HfPart(f"{block}.experts.{e}.{hf_name}.weight", expert=e)
-            for e in range(cfg.num_experts)
+            for e in range(cfg.moe.num_experts)
         ]
     return names
 

@@ -56,8 +56,10 @@ def qwen3_hf_config(
 def qwen3_export_problems(cfg: ModelConfig) -> list[str]:
     """Why a kiln model cannot be exported as Qwen3 (empty: it can)."""
     problems = []
-    if cfg.num_experts > 0:
-        problems.append(f"model.num_experts = {cfg.num_experts} (Qwen3 is dense: Qwen3-MoE)")
+    if cfg.moe.num_experts > 0:
+        problems.append(
+            f"model.moe.num_experts = {cfg.moe.num_experts} (Qwen3 is dense: Qwen3-MoE)"
+        )
     if not cfg.qk_norm:
         problems.append("model.qk_norm = false (every Qwen3 attention normalizes q and k)")
     return problems

@@ -40,27 +40,27 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        experts, hidden = cfg.num_experts, cfg.expert_hidden_dim
+        experts, hidden = cfg.moe.num_experts, cfg.expert_hidden_dim
         self.router = Router(
             cfg.dim,
             experts,
-            cfg.moe_top_k,
-            score_func=cfg.moe_router,
-            route_norm=cfg.moe_route_norm,
-            route_scale=cfg.moe_route_scale,
-            n_groups=cfg.moe_n_groups,
-            topk_groups=cfg.moe_topk_groups,
+            cfg.moe.top_k,
+            score_func=cfg.moe.router,
+            route_norm=cfg.moe.route_norm,
+            route_scale=cfg.moe.route_scale,
+            n_groups=cfg.moe.n_groups,
+            topk_groups=cfg.moe.topk_groups,
         )
-        self.dispatcher = LocalDispatcher(experts, cfg.moe_top_k, cfg.moe_capacity_factor)
+        self.dispatcher = LocalDispatcher(experts, cfg.moe.top_k, cfg.moe.capacity_factor)
         self.experts = GroupedExperts(experts, cfg.dim, hidden)
-        shared = cfg.moe_shared_experts * hidden
+        shared = cfg.moe.shared_experts * hidden
         self.shared_experts = FeedForward(cfg.dim, shared) if shared else None
-        gated = shared > 0 and cfg.moe_shared_expert_gate
+        gated = shared > 0 and cfg.moe.shared_expert_gate
         self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if gated else None
         self.aux_weights = {
-            "load_balance": cfg.moe_aux_loss_weight,
-            "seq_balance": cfg.moe_seq_aux_loss_weight,
-            "router_z": cfg.moe_router_z_loss_weight,
+            "load_balance": cfg.moe.aux_loss_weight,
+            "seq_balance": cfg.moe.seq_aux_loss_weight,
+            "router_z": cfg.moe.router_z_loss_weight,
         }
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.register_buffer("aux_loss_sums", torch.zeros(len(AUX_LOSSES)), persistent=False)
