@@ -41,6 +41,8 @@ SIGMOID = (
     "--model.moe.bias_update_rate=0.01",
 )
 NO_SWITCH_LOSS = ("--model.moe.aux_loss_weight=0",)
+# Qwen3-MoE's attention (docs/models.md): 4 heads of 48 on dim 128, per-head q/k norms.
+QWEN3_ATTENTION = ("--model.head_dim=48", "--model.qk_norm=true")
 WHOLE_BATCH = ("--train.batch_size=8",)
 L4 = ("--model.n_layers=4",)
 PIPELINE = ("--distributed.pp=2", "--distributed.pp_microbatches=2", "--train.batch_size=4", *L4)
@@ -68,10 +70,10 @@ LAYOUTS = {
         SIGMOID,
         WHOLE_BATCH,
     ),
-    "ep=2 x tp=2": (
+    "ep=2 x tp=2, Qwen3-MoE-shaped": (
         4,
         ["--distributed.ep=2", "--distributed.tp=2", "--train.batch_size=4"],
-        SOFTMAX,
+        (*SOFTMAX, *QWEN3_ATTENTION),
         WHOLE_BATCH,
     ),
     "ep=2 x pp=2 1f1b": (

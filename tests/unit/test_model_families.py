@@ -56,3 +56,12 @@ def test_an_architecture_no_family_converts_lists_those_that_are():
         hf_adapter_for(hf)
     for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3Moe"):
         assert name in str(e.value)
+
+
+def test_a_head_dim_that_tensor_parallel_cannot_split_is_one_clear_error():
+    overrides = ["--model.n_heads=4", "--model.n_kv_heads=2", "--model.head_dim=48"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*overrides, "--distributed.tp=4", "--train.seq_len=64"], world_size=4)
+    message = str(e.value)
+    assert "distributed.tp (4) must divide model.n_heads (4) and model.n_kv_heads (2)" in message
+    assert "whole heads of 48" in message and "valid tp: 1, 2" in message

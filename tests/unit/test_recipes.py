@@ -29,6 +29,8 @@ RECIPES = {
     "moe_ep_32gpu": (32, {"dp_shard": 4, "tp": 4, "ep": 2}),
     # Long context (docs/long_context.md)
     "llama3_8b_128k_32gpu": (32, {"dp_shard": 8, "cp": 4}),
+    # Continued pretraining from released weights (docs/models.md)
+    "qwen3_8b_16gpu_continue": (16, {"dp_shard": 16, "tp": 1}),
 }
 # One process: smoke runs and the demo.
 SMALL_RECIPES = {"debug", "demo", "debug_moe"}
