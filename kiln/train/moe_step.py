@@ -23,7 +23,7 @@ from kiln.model.moe import (
 )
 from kiln.parallel.collectives import sum_over
 from kiln.parallel.mesh import ParallelContext
-from kiln.train.step_hooks import StepHook
+from kiln.train.step_hook import StepHook
 
 
 class MoEBalancing(StepHook):

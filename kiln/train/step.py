@@ -19,13 +19,11 @@ from kiln.config import JobConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
-from kiln.metrics.expert_parallel_records import ExpertParallelStep
 from kiln.metrics.param_norms import param_grad_norms
 from kiln.model.document_mask import document_ids
 from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
 from kiln.parallel.context_parallel import ContextParallel
-from kiln.parallel.expert_parallel import expert_parallel_stats
 from kiln.parallel.float8 import precompute_float8_scales
 from kiln.parallel.forward_backward import ForwardBackward
 from kiln.parallel.fsdp import gradient_average_compensation
@@ -36,9 +34,8 @@ from kiln.resilience.nan_injection import NanInjection
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
 from kiln.train.loss import chunked_token_loss_sum, count_valid, token_loss_sum
-from kiln.train.moe_step import MoEBalancing
 from kiln.train.schedule import lr_factor
-from kiln.train.step_hooks import DatasetLossHook, ExpertParallelHook, StepHook
+from kiln.train.step_hooks import step_hooks
 
 
 @dataclass(frozen=True)
@@ -288,38 +285,3 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         tensor = pinned.copy_(tensor)
     return tensor.to(device, non_blocking=tensor.is_pinned())
-
-
-def step_hooks(
-    cfg: JobConfig,
-    parallel: ParallelContext,
-    model_parts: list[nn.Module],
-    sources: list[Source],
-    *,
-    grad_scale: float,
-) -> list[StepHook]:
-    """The hooks this job's step runs, in the order their records are logged."""
-    pipeline_group = parallel.mesh["pp"].get_group() if parallel.degrees["pp"] > 1 else None
-    hooks: list[StepHook] = []
-    if len(sources) > 1:  # a mixture logs each dataset's loss
-        names = [source.name for source in sources]
-        data_group = parallel.data_group()
-        hooks.append(
-            DatasetLossHook(
-                names, parallel.device, data_group=data_group, pipeline_group=pipeline_group
-            )
-        )
-    stats = expert_parallel_stats(model_parts)
-    if stats is not None:
-        hooks.append(ExpertParallelHook(ExpertParallelStep(stats, parallel.ep_mesh().get_group())))
-    if cfg.model.moe.num_experts > 0:
-        hooks.append(
-            MoEBalancing(
-                cfg,
-                parallel,
-                model_parts=model_parts,
-                grad_scale=grad_scale,
-                pipeline_group=pipeline_group,
-            )
-        )
-    return hooks

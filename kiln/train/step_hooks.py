@@ -1,44 +1,21 @@
-"""What a feature adds to the dense training step (kiln/train/step.py): calls before the step,
-after each micro-batch's backward, after the update, and the records of a logged step, and the
-arguments it gives the model's forward. The step calls its hooks in order; every rank holds the same hooks, so the
-collectives they run line up."""
+"""The features that plug into the training step (kiln/train/step_hook.py says how): a mixture's
+per-dataset losses, expert parallel's traffic, Mixture-of-Experts balancing (moe_step.py), and
+which of them a job runs."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from kiln.data.loader import StepBatch
+from kiln.config import JobConfig
+from kiln.data.loader import Source, StepBatch
 from kiln.metrics.expert_parallel_records import ExpertParallelStep
+from kiln.parallel.expert_parallel import expert_parallel_stats
+from kiln.parallel.mesh import ParallelContext
 from kiln.train.dataset_losses import DatasetLosses
-
-
-class StepHook:
-    """A no-op at every point; a feature overrides the points it needs."""
-
-    # Whether the loss must be kept per sequence (not summed) for `after_backward`.
-    needs_row_losses = False
-
-    def before_step(
-        self, batch: StepBatch, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """Before any forward; `micro_batches` are this rank's, as read (whole sequences)."""
-
-    def forward_kwargs(self) -> dict[str, Any]:
-        """Arguments this feature gives the model's forward in the step (after `before_step`)."""
-        return {}
-
-    def after_backward(self, index: int, losses: torch.Tensor, labels: torch.Tensor) -> None:
-        """After micro-batch `index`'s backward, with its token-loss sums and its labels."""
-
-    def after_update(self, *, skipped: bool) -> None:
-        """After the optimizer update, or after the step was skipped (non-finite values)."""
-
-    def records(self) -> dict[str, float]:
-        """The metrics this feature adds to a logged step; every rank calls it at once."""
-        return {}
+from kiln.train.moe_step import MoEBalancing
+from kiln.train.step_hook import StepHook
 
 
 class DatasetLossHook(StepHook):
@@ -82,3 +59,38 @@ class ExpertParallelHook(StepHook):
 
     def records(self) -> dict[str, float]:
         return self.step.records()
+
+
+def step_hooks(
+    cfg: JobConfig,
+    parallel: ParallelContext,
+    model_parts: list[nn.Module],
+    sources: list[Source],
+    *,
+    grad_scale: float,
+) -> list[StepHook]:
+    """The hooks this job's step runs, in the order their records are logged."""
+    pipeline_group = parallel.mesh["pp"].get_group() if parallel.degrees["pp"] > 1 else None
+    hooks: list[StepHook] = []
+    if len(sources) > 1:  # a mixture logs each dataset's loss
+        names = [source.name for source in sources]
+        data_group = parallel.data_group()
+        hooks.append(
+            DatasetLossHook(
+                names, parallel.device, data_group=data_group, pipeline_group=pipeline_group
+            )
+        )
+    stats = expert_parallel_stats(model_parts)
+    if stats is not None:
+        hooks.append(ExpertParallelHook(ExpertParallelStep(stats, parallel.ep_mesh().get_group())))
+    if cfg.model.moe.num_experts > 0:
+        hooks.append(
+            MoEBalancing(
+                cfg,
+                parallel,
+                model_parts=model_parts,
+                grad_scale=grad_scale,
+                pipeline_group=pipeline_group,
+            )
+        )
+    return hooks
