@@ -21,6 +21,7 @@ def startup_summary(
     where the run writes and where it starts from."""
     m = cfg.model
     model = f"model {m.preset or 'custom'}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads"
+    model += f" of {m.resolved_head_dim}"
     if m.moe.num_experts > 0:
         model += f", {m.moe.num_experts} experts top-{m.moe.top_k}"
     start = f"{start_path} (step {start_step})" if start_path is not None else "scratch"
