@@ -109,5 +109,3 @@ class ModelFamily:
     count_params: Callable[[ModelConfig], ParamCount]
     flops_per_token: Callable[[ModelConfig, int], int]
     attention_terms: Callable[[ModelConfig], AttentionTerms]
-    # Config problems only this family knows of, e.g. keys it does not model (empty: none).
-    config_problems: Callable[[ModelConfig], list[str]] = lambda cfg: []
