@@ -4,11 +4,14 @@ On the CPU both are null (tests/unit/test_trainer.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from kiln.config import load_config
+from kiln.events import read_events
 from kiln.metrics.mfu import peak_flops
 from kiln.model import build_model
 from tests.gpu.runs import RECIPE, TrainRuns
@@ -33,6 +36,18 @@ def honest_flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6 * matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
 
 
+def steps_beside_a_save(run_dir: Path) -> set[int]:
+    """The steps that ran while an async checkpoint was written in the background."""
+    # Their MFU is honest but not the model's: on an H100 the step after an async save of the
+    # 126M model ran at 1.1% (2026-11-27), the writer thread sharing the host with the loop.
+    saves = [e for e in read_events(run_dir) if e["event"] == "checkpoint"]
+    return {
+        step
+        for e in saves
+        for step in range(e["step"] + 1, (e.get("committed_after_step") or e["step"]) + 1)
+    }
+
+
 @pytest.mark.cuda_only("kiln logs mfu and peak_mem_gb as null on the CPU")
 @pytest.mark.needs_bf16
 @pytest.mark.parametrize("name", ["bf16_eager", "bf16_compiled"])
@@ -49,9 +64,11 @@ def test_mfu_and_peak_memory_are_present_and_plausible(
     flops = honest_flops_per_token(model, cfg.train.seq_len)
     total_memory = torch.cuda.get_device_properties(device).total_memory
     records = [run.records[step] for step in sorted(run.records)]
+    writing = steps_beside_a_save(run.run_dir)
     for record in records[1:]:
         mfu = record["mfu"]
-        assert MFU_RANGE[0] < mfu < MFU_RANGE[1], record
+        if record["step"] not in writing:
+            assert MFU_RANGE[0] < mfu < MFU_RANGE[1], record
         # Same definition, counted here: only float rounding apart.
         expected = flops * record["tokens_per_sec"] / peak
         assert mfu == pytest.approx(expected, rel=1e-6), record
