@@ -154,7 +154,8 @@ def _is_text(hint: Any) -> bool:
 
 def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
     """Merge `[model] preset = NAME` under the explicit [model] keys (explicit keys win), and the
-    preset's `[moe]` table under the explicit `[model.moe]` keys, key by key."""
+    preset's tables (`[moe]`, `[mla]`, `[mtp]`) under the explicit `[model.<table>]` keys, key by
+    key."""
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("preset"):
         return
@@ -173,8 +174,9 @@ def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
         return
     move_moe_keys(preset, f"model.preset {name!r}: ", problems)
     merged = {**preset, **model}
-    if isinstance(preset.get("moe"), dict) and isinstance(model.get("moe"), dict):
-        merged["moe"] = {**preset["moe"], **model["moe"]}
+    for table in ("moe", "mla", "mtp"):
+        if isinstance(preset.get(table), dict) and isinstance(model.get(table), dict):
+            merged[table] = {**preset[table], **model[table]}
     raw["model"] = merged
 
 

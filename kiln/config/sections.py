@@ -12,9 +12,9 @@ from typing import Literal, get_args
 
 # The model families kiln builds (kiln/model/registry.py maps each to its folder; docs/models.md).
 # Llama covers Llama 3.x, Qwen3 dense, Mixtral and Qwen3-MoE: they differ by keys.
-ModelFamilyName = Literal["llama"]
+ModelFamilyName = Literal["llama", "deepseek_v3"]
 MODEL_FAMILIES = get_args(ModelFamilyName)
-RopeScaling = Literal["none", "llama3"]
+RopeScaling = Literal["none", "llama3", "yarn"]
 MoeRouter = Literal["softmax_topk", "sigmoid"]
 Device = Literal["auto", "cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp32", "fp8"]
@@ -76,6 +76,31 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """`[model.mla]`: multi-head latent attention (DeepSeek-V2/V3; family deepseek_v3). Queries
+    go through a low-rank latent of q_lora_rank (0: one full projection, V2-Lite), keys and
+    values are expanded from one latent of kv_lora_rank; each head's query and key are a
+    non-rotary part of qk_nope_head_dim and a rotary part of qk_rope_head_dim (the key's rotary
+    part one for all heads); values are v_head_dim wide."""
+
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+
+@dataclass
+class MTPConfig:
+    """`[model.mtp]`: multi-token prediction (DeepSeek-V3; family deepseek_v3). `depth` extra
+    modules each predict one token further ahead; their mean loss, times loss_weight, joins the
+    training loss (0: off; inference and export never run them)."""
+
+    depth: int = 0
+    loss_weight: float = 0.3
+
+
+@dataclass
 class ModelConfig:
     # Which family's modules, parallel plan and Hugging Face adapters build the model.
     family: ModelFamilyName = "llama"
@@ -98,12 +123,21 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
+    # "yarn" (DeepSeek-V3): YaRN's ramp between beta_slow and beta_fast rotations over the
+    # original context, and its attention scale from mscale and mscale_all_dim.
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False
     init_std: float = 0.02
     # Mixture of Experts: the [model.moe] table (num_experts = 0: dense).
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # Family deepseek_v3: its attention and its extra prediction modules.
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
     @property
     def resolved_head_dim(self) -> int:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from kiln.model.forward_args import SequenceGathers
+
 Kernel = Literal["auto", "sdpa", "flex"]
 # A boolean (batch, 1, queries, keys) mask for SDPA, or a block-sparse mask for flex attention.
 DocumentMask = torch.Tensor | BlockMask
@@ -75,16 +77,22 @@ def _build(
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: DocumentMask,
+    *,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Grouped-query attention of (batch, heads, seq, head_dim) tensors under `mask`."""
+    """Grouped-query attention of (batch, heads, seq, head_dim) tensors under `mask`; `scale`:
+    the softmax's (None: 1 / sqrt(head_dim))."""
     if isinstance(mask, BlockMask):
         # Inside a compiled block, flex attention compiles with the block; called eagerly on
         # CUDA it needs its own compile.
         standalone = q.device.type == "cuda" and not torch.compiler.is_compiling()
         flex = _compiled(flex_attention) if standalone else flex_attention
-        return flex(q, k, v, block_mask=mask, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 @functools.cache
@@ -129,3 +137,20 @@ def _block_mask(
     create = _compiled(create_block_mask) if ids.device.type == "cuda" else create_block_mask
     # H=None: one mask for all heads, also for the slice of heads a tensor-parallel rank holds.
     return create(mask_mod, batch, None, queries, keys, device=ids.device)
+
+
+def layer_mask(
+    document_ids: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    context_parallel: SequenceGathers | None,
+) -> DocumentMask | None:
+    """The mask every layer of a forward shares; None: plain causal attention over whole
+    sequences. With `positions` (context parallel) the keys are the whole sequence's."""
+    if positions is None:
+        return build_document_mask(document_ids) if document_ids is not None else None
+    key_positions, key_ids = positions, document_ids
+    if context_parallel is not None:
+        key_positions = context_parallel.gather_sequence(positions)
+        if document_ids is not None:
+            key_ids = context_parallel.gather_sequence(document_ids)
+    return build_position_mask(positions, key_positions, ids=document_ids, key_ids=key_ids)

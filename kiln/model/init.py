@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from kiln.config.sections import ModelConfig
+from kiln.model.names import canonical_name
 
 # Tiles are TILE_ROWS × TILE_COLS over a tensor's last two dims (1-D tensors: chunks of as many
 # elements). At 128K elements a tile takes ~2 ms to draw on a CPU core, so its own cost (a sha256,
@@ -159,3 +164,33 @@ def _runs(indices: torch.Tensor) -> list[tuple[int, int, int]]:
     breaks = (torch.nonzero(indices.diff() != 1).flatten() + 1).tolist()
     starts, ends = [0, *breaks], [*breaks, len(indices)]
     return [(s, int(indices[s]), e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+@torch.no_grad()
+def init_decoder_weights(model: nn.Module, cfg: ModelConfig, *, seed: int) -> None:
+    """Norms to 1, every other weight normal with `init_std`, in tiles (see the module doc)."""
+    for wrapped_name, param in model.named_parameters():
+        name = canonical_name(wrapped_name)
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            fill_normal_(param, std=init_std(cfg, name), seed=seed, name=name)
+
+
+def init_std(cfg: ModelConfig, name: str) -> float:
+    """Standard deviation of the normal init of parameter `name` (canonical, without wrappers)."""
+    if name == "tok_embeddings.weight" and not cfg.tie_embeddings:
+        # Unit-scale embeddings put the residual stream at O(1) from the start; at init_std,
+        # every Adam step would move them by a large fraction of their size.
+        return 1.0
+    if name.endswith(
+        (
+            "attention.wo.weight",
+            "feed_forward.w2.weight",
+            "feed_forward.shared_experts.w2.weight",
+            "feed_forward.experts.w2",
+        )
+    ):
+        # Outputs written into the residual stream shrink with depth, so it does not grow.
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std

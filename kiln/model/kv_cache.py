@@ -35,3 +35,12 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.pos += n
+
+
+def prefix_causal_mask(seq: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """Mask for queries at positions start..start+seq over keys 0..start+seq; None where
+    is_causal or no mask suffices (a forward from position 0, or one token)."""
+    if start == 0 or seq == 1:
+        return None
+    rows = torch.arange(start, start + seq, device=device)[:, None]
+    return torch.arange(start + seq, device=device)[None, :] <= rows

@@ -7,10 +7,11 @@ from typing import Any
 
 from kiln.config.sections import MODEL_FAMILIES, ModelConfig
 from kiln.errors import ConfigError, KilnError
+from kiln.model.deepseek import FAMILY as DEEPSEEK_V3
 from kiln.model.family import HfAdapter, ModelFamily
 from kiln.model.llama import FAMILY as LLAMA
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA,)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA, DEEPSEEK_V3)}
 assert tuple(FAMILIES) == MODEL_FAMILIES, "kiln/config/sections.py lists the families"
 
 # config.json keys by which architectures announce routed experts.

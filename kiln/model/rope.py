@@ -1,5 +1,5 @@
 """Rotary position embeddings in the half-split layout (the one Hugging Face Llama checkpoints use),
-optionally with Llama 3.1's frequency scaling for long contexts."""
+optionally with Llama 3.1's or YaRN's (DeepSeek-V3) frequency scaling for long contexts."""
 
 from __future__ import annotations
 
@@ -32,23 +32,76 @@ class Llama3Scaling:
         return inv_freq * ((1 - keep) / self.factor + keep)
 
 
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor` (1 when not stretched)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Peng et al. 2023) as DeepSeek-V3 uses it: frequencies that turn more than beta_fast
+    times over the original context keep their wavelength, those turning fewer than beta_slow
+    times are stretched by `factor`, a linear ramp over the rotary dimensions between them
+    blends the two; cos and sin are scaled by mscale's correction over mscale_all_dim's."""
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+    theta: float
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        width = 2 * inv_freq.shape[0]
+
+        def dimension_of(turns: float) -> float:
+            # The rotary dimension whose frequency turns `turns` times over the original context.
+            wavelengths = self.original_max_seq_len / (turns * 2 * math.pi)
+            return width * math.log(wavelengths) / (2 * math.log(self.theta))
+
+        low = max(math.floor(dimension_of(self.beta_fast)), 0)
+        high = min(math.ceil(dimension_of(self.beta_slow)), width - 1)
+        high = high + 0.001 if low == high else high
+        pairs = torch.arange(inv_freq.shape[0], device=inv_freq.device, dtype=torch.float32)
+        stretched = ((pairs - low) / (high - low)).clamp(0.0, 1.0)
+        return inv_freq / self.factor * stretched + inv_freq * (1 - stretched)
+
+    @property
+    def table_scale(self) -> float:
+        """The factor on cos and sin (1 for DeepSeek-V3, whose mscale equals mscale_all_dim)."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor, 1.0)
+
+
 def model_rope_tables(
-    cfg: ModelConfig, device: torch.device | str | None
+    cfg: ModelConfig, device: torch.device | str | None, *, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos and sin tables of a model: plain RoPE, or with the scaling `cfg.rope_scaling` names."""
-    scaling = (
-        Llama3Scaling(
+    """The cos and sin tables of a model: plain RoPE, or with the scaling `cfg.rope_scaling` names.
+    `width`: the rotary width, when it is not the head's (MLA's qk_rope_head_dim)."""
+    width = width or cfg.resolved_head_dim
+    scaling: Llama3Scaling | YarnScaling | None = None
+    if cfg.rope_scaling == "llama3":
+        scaling = Llama3Scaling(
             cfg.rope_scaling_factor,
             cfg.rope_low_freq_factor,
             cfg.rope_high_freq_factor,
             cfg.rope_original_max_seq_len,
         )
-        if cfg.rope_scaling == "llama3"
-        else None
-    )
-    return rope_tables(
-        cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling
-    )
+    elif cfg.rope_scaling == "yarn":
+        scaling = YarnScaling(
+            factor=cfg.rope_scaling_factor,
+            original_max_seq_len=cfg.rope_original_max_seq_len,
+            beta_fast=cfg.rope_yarn_beta_fast,
+            beta_slow=cfg.rope_yarn_beta_slow,
+            mscale=cfg.rope_yarn_mscale,
+            mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
+            theta=cfg.rope_theta,
+        )
+    return rope_tables(width, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)
 
 
 def rope_tables(
@@ -57,7 +110,7 @@ def rope_tables(
     theta: float,
     device: torch.device | str | None,
     *,
-    scaling: Llama3Scaling | None = None,
+    scaling: Llama3Scaling | YarnScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (max_seq_len, head_dim), fp32."""
     inv_freq = 1.0 / (
@@ -68,6 +121,8 @@ def rope_tables(
     positions = torch.arange(max_seq_len, device=device, dtype=torch.int64).float()
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
+    if isinstance(scaling, YarnScaling) and scaling.table_scale != 1.0:
+        return angles.cos() * scaling.table_scale, angles.sin() * scaling.table_scale
     return angles.cos(), angles.sin()
 
 

@@ -107,6 +107,9 @@ class TrainStep:
         # Context parallel: this rank keeps its chunks of every sequence it reads.
         cp_mesh = parallel.cp_mesh()
         self.context = ContextParallel(cp_mesh) if cp_mesh is not None else None
+        # A model with losses of its own (multi-token prediction) takes the labels and the
+        # step's scale of token-loss sums in training forwards (docs/models.md).
+        self.model_adds_losses = getattr(model_parts[-1], "adds_losses", False)
         # The model's forward arguments every call of the job shares.
         self.forward_options = {"apply_head": not self.chunked, "context_parallel": self.context}
 
@@ -131,6 +134,9 @@ class TrainStep:
             if self.defer_grad_reduce:
                 self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
             scale = self.grad_scale / valid
+            if self.model_adds_losses:  # its losses are normalized like the main loss
+                kwargs = kwargs | {"labels": labels}
+                options = options | {"loss_scale": scale}
             losses = self.forward_backward(inputs, labels, kwargs, options, scale=scale)
             total += losses.sum()
             for hook in self.hooks:

@@ -1,6 +1,6 @@
 """The features that plug into the training step (kiln/train/step_hook.py says how): a mixture's
-per-dataset losses, expert parallel's traffic, Mixture-of-Experts balancing (moe_step.py), and
-which of them a job runs."""
+per-dataset losses, a model's own losses (multi-token prediction), expert parallel's traffic,
+Mixture-of-Experts balancing (moe_step.py), and which of them a job runs."""
 
 from __future__ import annotations
 
@@ -61,6 +61,32 @@ class ExpertParallelHook(StepHook):
         return self.step.records()
 
 
+class ModelLossHook(StepHook):
+    """The losses a model adds to the main one (multi-token prediction's per depth): the mean
+    per token of the logged step over all data ranks, from the model's `take_losses`."""
+
+    def __init__(self, model_parts: list[nn.Module], data_group: dist.ProcessGroup | None):
+        self.model_parts, self.data_group = model_parts, data_group
+
+    def before_step(self, batch: StepBatch, micro_batches) -> None:
+        for part in self.model_parts:  # drop what earlier, unlogged steps counted
+            part.take_losses()
+
+    def records(self) -> dict[str, float]:
+        taken = [part.take_losses() for part in self.model_parts]
+        sums = {name: pair for losses in taken for name, pair in losses.items()}
+        if not sums:
+            return {}
+        stacked = torch.stack([sums[name] for name in sorted(sums)]).double()
+        if self.data_group is not None:
+            dist.all_reduce(stacked, group=self.data_group)
+        return {
+            name: (loss / tokens).item()
+            for name, (loss, tokens) in zip(sorted(sums), stacked, strict=True)
+            if tokens > 0
+        }
+
+
 def step_hooks(
     cfg: JobConfig,
     parallel: ParallelContext,
@@ -80,6 +106,8 @@ def step_hooks(
                 names, parallel.device, data_group=data_group, pipeline_group=pipeline_group
             )
         )
+    if getattr(model_parts[-1], "adds_losses", False):
+        hooks.append(ModelLossHook(model_parts, parallel.data_group()))
     stats = expert_parallel_stats(model_parts)
     if stats is not None:
         hooks.append(ExpertParallelHook(ExpertParallelStep(stats, parallel.ep_mesh().get_group())))

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from kiln.config import ModelConfig
 from kiln.model import KVCache, build_model, materialize
 from kiln.model.document_mask import build_document_mask, document_ids, masked_attention
-from kiln.model.llama import model as transformer_module
+from kiln.model import document_mask as mask_module
 
 EOS = 0
 CFG = ModelConfig(
@@ -138,7 +138,7 @@ def test_model_on_flex_attention_matches_sdpa(monkeypatch):
     with torch.no_grad():
         sdpa = model(packed, document_ids=ids)
         flex_masks = functools.partial(build_document_mask, kernel="flex")
-        monkeypatch.setattr(transformer_module, "build_document_mask", flex_masks)
+        monkeypatch.setattr(mask_module, "build_document_mask", flex_masks)
         flex = model(packed, document_ids=ids)
     assert (flex - sdpa).abs().max() <= 1e-5
 

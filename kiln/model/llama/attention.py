@@ -11,7 +11,7 @@ from torch import nn
 from kiln.config.sections import ModelConfig
 from kiln.model.document_mask import DocumentMask, masked_attention
 from kiln.model.forward_args import SequenceGathers
-from kiln.model.kv_cache import KVCache
+from kiln.model.kv_cache import KVCache, prefix_causal_mask
 from kiln.model.rope import apply_rope
 
 
@@ -67,16 +67,8 @@ class Attention(nn.Module):
                 q,
                 k,
                 v,
-                attn_mask=_prefix_causal_mask(seq, start, q.device),
+                attn_mask=prefix_causal_mask(seq, start, q.device),
                 is_causal=start == 0,
                 enable_gqa=True,
             )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-def _prefix_causal_mask(seq: int, start: int, device: torch.device) -> torch.Tensor | None:
-    """Mask for queries at positions start..start+seq over keys 0..start+seq; None where is_causal or no mask suffices."""
-    if start == 0 or seq == 1:
-        return None
-    rows = torch.arange(start, start + seq, device=device)[:, None]
-    return torch.arange(start + seq, device=device)[None, :] <= rows

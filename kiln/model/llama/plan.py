@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from kiln.config.sections import ModelConfig
-from kiln.model.moe.block import MoEFeedForward
+from kiln.model.feed_forward_plan import dense_ffn_tp, is_moe_block, moe_ffn_tp
 from kiln.model.parallel_plan import ParallelPlan
 
 
@@ -44,7 +44,7 @@ def llama_plan(cfg: ModelConfig) -> ParallelPlan:
         last_stage=("norm", "output", "tok_embeddings") if tied else ("norm", "output"),
         tied_weight="tok_embeddings.weight" if tied else None,
         block_sequence_units=_moe_sequence_units,
-        block_moe=lambda block: ("feed_forward",) if _is_moe(block) else (),
+        block_moe=lambda block: ("feed_forward",) if is_moe_block(block) else (),
         block_attention=lambda block: ("attention",),
         # The head's logits feed the loss, where float8's rounding costs the most; a router's
         # top-k choice flips on small differences.
@@ -52,20 +52,16 @@ def llama_plan(cfg: ModelConfig) -> ParallelPlan:
     )
 
 
-def _is_moe(block: nn.Module) -> bool:
-    return isinstance(block.feed_forward, MoEFeedForward)
-
-
 def _llama_fsdp_units(block: nn.Module) -> tuple[str, ...]:
     # In an MoE block the routed experts (most of its weights) are a unit of their own, and the
     # rest of the MoE feed-forward (router gate, shared experts) another, inside it.
-    if _is_moe(block):
+    if is_moe_block(block):
         return ("attention", "feed_forward.experts", "feed_forward")
     return ("attention", "feed_forward")
 
 
 def _moe_sequence_units(block: nn.Module) -> tuple[str, ...]:
-    return ("feed_forward.experts", "feed_forward") if _is_moe(block) else ()
+    return ("feed_forward.experts", "feed_forward") if is_moe_block(block) else ()
 
 
 def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
@@ -84,7 +80,7 @@ def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        **(_moe_ffn_tp() if _is_moe(block) else _dense_ffn_tp()),
+        **(moe_ffn_tp() if is_moe_block(block) else dense_ffn_tp()),
     }
     if block.attention.q_norm is not None:
         # q and k are (batch, heads, seq, head_dim) with this rank's heads: the norm weight, shared
@@ -93,26 +89,3 @@ def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=1, use_local_output=True)
     return plan
-
-
-def _dense_ffn_tp() -> dict[str, ParallelStyle]:
-    return {
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
-
-
-def _moe_ffn_tp() -> dict[str, ParallelStyle]:
-    # The MoE feed-forward works on plain tensors: it takes this tp rank's sequence shard of the
-    # (sequence-parallel) norm's output as it is, nothing gathered, and returns the same tokens'
-    # outputs, a plain tensor like the rest of the residual stream between sub-layers (the
-    # embedding and the row-split outputs return their local sequence shards too).
-    return {
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
-    }

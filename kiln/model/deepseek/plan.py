@@ -1,0 +1,81 @@
+"""The DeepSeek-V3 family's parallel plan (kiln/model/parallel_plan.py says what a plan holds).
+
+Tensor parallel splits multi-head latent attention by heads after the up-projections (wq or wq_b,
+wkv_b column-split, wo row-split), as torchtitan's DeepSeek-V3 plan does. The down-projections
+and the norms of the latents (wq_a, q_norm, wkv_a, kv_norm) stay whole: every tp rank computes
+them on the whole sequence, and each rank's gradient of them covers only its own heads, so they
+are summed over the tp ranks like the MoE feed-forward's (`block_sequence_units`, see
+kiln/model/llama/plan.py). The feed-forwards are the Llama family's: dense ones column/row-split,
+MoE ones on each tp rank's part of the sequence. Multi-token prediction sits on the last stage.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from kiln.config.sections import ModelConfig
+from kiln.model.feed_forward_plan import dense_ffn_tp, is_moe_block, moe_ffn_tp
+from kiln.model.parallel_plan import ParallelPlan
+
+
+def deepseek_plan(cfg: ModelConfig) -> ParallelPlan:
+    """DeepSeek-V3: the Llama plan's embedding, norms, head and feed-forwards, with MLA's."""
+    return ParallelPlan(
+        blocks="layers",
+        tp={
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+        block_tp=_block_tp,
+        block_fsdp_units=_fsdp_units,
+        first_stage=("tok_embeddings",),
+        last_stage=("norm", "output", "mtp"),
+        block_sequence_units=_sequence_units,
+        block_moe=lambda block: ("feed_forward",) if is_moe_block(block) else (),
+        block_attention=lambda block: ("attention",),
+        float8_excluded=("output", "router"),
+    )
+
+
+def _latent_units(block: nn.Module) -> tuple[str, ...]:
+    kv = ("attention.wkv_a", "attention.kv_norm")
+    if block.attention.low_rank_query:
+        return ("attention.wq_a", "attention.q_norm", *kv)
+    return kv
+
+
+def _sequence_units(block: nn.Module) -> tuple[str, ...]:
+    moe = ("feed_forward.experts", "feed_forward") if is_moe_block(block) else ()
+    return _latent_units(block) + moe
+
+
+def _fsdp_units(block: nn.Module) -> tuple[str, ...]:
+    ffn = ("feed_forward.experts", "feed_forward") if is_moe_block(block) else ("feed_forward",)
+    return (*_latent_units(block), "attention", *ffn)
+
+
+def _block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
+    query = ("attention.wq_b",) if block.attention.low_rank_query else ("attention.wq",)
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None),
+            use_local_output=True,
+        ),
+        **{name: ColwiseParallel() for name in (*query, "attention.wkv_b")},
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        **(moe_ffn_tp() if is_moe_block(block) else dense_ffn_tp()),
+    }

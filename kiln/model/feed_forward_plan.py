@@ -1,0 +1,41 @@
+"""Tensor-parallel styles of the feed-forwards the families share (the dense SwiGLU and the
+Mixture-of-Experts block); a family's plan puts them beside its attention's."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from kiln.model.moe.block import MoEFeedForward
+
+
+def is_moe_block(block: nn.Module) -> bool:
+    """Whether `block`'s feed-forward is Mixture-of-Experts."""
+    return isinstance(block.feed_forward, MoEFeedForward)
+
+
+def dense_ffn_tp() -> dict[str, ParallelStyle]:
+    """A SwiGLU on the gathered sequence: w1 and w3 column-split, w2 row-split."""
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def moe_ffn_tp() -> dict[str, ParallelStyle]:
+    """An MoE feed-forward on this tp rank's sequence shard, weights whole."""
+    # The MoE feed-forward works on plain tensors: it takes this tp rank's sequence shard of the
+    # (sequence-parallel) norm's output as it is, nothing gathered, and returns the same tokens'
+    # outputs, a plain tensor like the rest of the residual stream between sub-layers (the
+    # embedding and the row-split outputs return their local sequence shards too).
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+    }
