@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from kiln.config.sections import JobConfig, ModelConfig
 
-# Layouts multi-token prediction runs under in this release: the MTP modules sit on the last
-# stage with the main embedding and head, whole on every rank (docs/models.md).
-MTP_REFUSED_DIMS = ("tp", "pp", "cp", "ep")
+# Layouts multi-token prediction does not run under in this release: its tokens ahead cross
+# context-parallel chunks, and expert parallel splits only the main blocks' experts.
+MTP_REFUSED_DIMS = ("cp", "ep")
 
 
 def deepseek_problems(cfg: JobConfig) -> list[str]:
@@ -72,8 +72,8 @@ def _mtp_problems(cfg: JobConfig) -> list[str]:
             layout = ", ".join(f"distributed.{d} = {getattr(cfg.distributed, d)}" for d in split)
             problems.append(
                 f"model.mtp.depth = {mtp.depth} with {layout}: multi-token prediction runs "
-                "with data parallel (dp_shard, dp_replicate) only in this release; set "
-                "model.mtp.depth = 0 for this layout"
+                "with data, tensor and pipeline parallel but not yet with context or expert "
+                "parallel; set model.mtp.depth = 0 for this layout"
             )
     return problems
 

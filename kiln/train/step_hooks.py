@@ -63,26 +63,36 @@ class ExpertParallelHook(StepHook):
 
 class ModelLossHook(StepHook):
     """The losses a model adds to the main one (multi-token prediction's per depth): the mean
-    per token of the logged step over all data ranks, from the model's `take_losses`."""
+    per token of the logged step over all data ranks, from the model's `take_losses` (on the
+    pipeline stage that computes them)."""
 
-    def __init__(self, model_parts: list[nn.Module], data_group: dist.ProcessGroup | None):
-        self.model_parts, self.data_group = model_parts, data_group
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        device: torch.device,
+        *,
+        data_group: dist.ProcessGroup | None,
+        pipeline_group: dist.ProcessGroup | None,
+    ):
+        self.model_parts, self.device = model_parts, device
+        self.data_group, self.pipeline_group = data_group, pipeline_group
+        self.names = model_parts[0].loss_names()
 
     def before_step(self, batch: StepBatch, micro_batches) -> None:
         for part in self.model_parts:  # drop what earlier, unlogged steps counted
             part.take_losses()
 
     def records(self) -> dict[str, float]:
-        taken = [part.take_losses() for part in self.model_parts]
-        sums = {name: pair for losses in taken for name, pair in losses.items()}
-        if not sums:
-            return {}
-        stacked = torch.stack([sums[name] for name in sorted(sums)]).double()
-        if self.data_group is not None:
-            dist.all_reduce(stacked, group=self.data_group)
+        sums = torch.zeros(len(self.names), 2, dtype=torch.float64, device=self.device)
+        for part in self.model_parts:
+            for name, pair in part.take_losses().items():
+                sums[self.names.index(name)] += pair.double()
+        for group in (self.pipeline_group, self.data_group):
+            if group is not None:
+                dist.all_reduce(sums, group=group)
         return {
             name: (loss / tokens).item()
-            for name, (loss, tokens) in zip(sorted(sums), stacked, strict=True)
+            for name, (loss, tokens) in zip(self.names, sums, strict=True)
             if tokens > 0
         }
 
@@ -107,7 +117,14 @@ def step_hooks(
             )
         )
     if getattr(model_parts[-1], "adds_losses", False):
-        hooks.append(ModelLossHook(model_parts, parallel.data_group()))
+        hooks.append(
+            ModelLossHook(
+                model_parts,
+                parallel.device,
+                data_group=parallel.data_group(),
+                pipeline_group=pipeline_group,
+            )
+        )
     stats = expert_parallel_stats(model_parts)
     if stats is not None:
         hooks.append(ExpertParallelHook(ExpertParallelStep(stats, parallel.ep_mesh().get_group())))

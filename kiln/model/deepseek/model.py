@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
 from kiln.model.decoder_block import DecoderBlock
@@ -92,12 +93,14 @@ class Transformer(nn.Module):
             extra = self.mtp(
                 h,
                 labels,
-                embedding=self.tok_embeddings.weight,
-                head=self.output.weight,
+                embed=self.tok_embeddings,
+                head=self.output,
                 rope=(cos, sin),
                 block_args=block_args,
             )
-            out = attach_aux_loss(out, extra * loss_scale)
+            extra = extra * loss_scale
+            # Under tensor parallel the loss is a replicated DTensor; its gradient flows the same.
+            out = attach_aux_loss(out, extra.to_local() if isinstance(extra, DTensor) else extra)
         return out
 
     def head_weight(self) -> torch.Tensor:
@@ -105,8 +108,13 @@ class Transformer(nn.Module):
         swaps the parameters between sharded and gathered."""
         return self.output.weight
 
+    def loss_names(self) -> list[str]:
+        """The names of the model's own losses, the same on every pipeline stage."""
+        return [f"mtp_loss_{k}" for k in range(1, self.cfg.mtp.depth + 1)]
+
     def take_losses(self) -> dict[str, torch.Tensor]:
-        """The model's own losses since the last call, {name: (loss sum, tokens)}."""
+        """The model's own losses since the last call, {name: (loss sum, tokens)}; none on a
+        stage without the multi-token prediction modules."""
         return self.mtp.take_losses() if self.mtp is not None else {}
 
     def init_buffers(self) -> None:

@@ -27,7 +27,10 @@ from kiln.model.parallel_plan import ParallelPlan
 
 
 def deepseek_plan(cfg: ModelConfig) -> ParallelPlan:
-    """DeepSeek-V3: the Llama plan's embedding, norms, head and feed-forwards, with MLA's."""
+    """DeepSeek-V3: the Llama plan's embedding, norms, head and feed-forwards, with MLA's. The
+    multi-token prediction modules embed with the main embedding: with them, the last pipeline
+    stage holds a copy of it, kept in step with the first stage's like tied embeddings."""
+    mtp = cfg.mtp.depth > 0
     return ParallelPlan(
         blocks="layers",
         tp={
@@ -36,11 +39,13 @@ def deepseek_plan(cfg: ModelConfig) -> ParallelPlan:
             "output": ColwiseParallel(
                 input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
             ),
+            **_mtp_tp(cfg),
         },
         block_tp=_block_tp,
         block_fsdp_units=_fsdp_units,
         first_stage=("tok_embeddings",),
-        last_stage=("norm", "output", "mtp"),
+        last_stage=("norm", "output", "mtp", *(("tok_embeddings",) if mtp else ())),
+        tied_weight="tok_embeddings.weight" if mtp else None,
         block_sequence_units=_sequence_units,
         block_moe=lambda block: ("feed_forward",) if is_moe_block(block) else (),
         block_attention=lambda block: ("attention",),
@@ -66,7 +71,27 @@ def _fsdp_units(block: nn.Module) -> tuple[str, ...]:
 
 
 def _block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
-    query = ("attention.wq_b",) if block.attention.low_rank_query else ("attention.wq",)
+    return _block_styles(low_rank_query=block.attention.low_rank_query, moe=is_moe_block(block))
+
+
+def _mtp_tp(cfg: ModelConfig) -> dict[str, ParallelStyle]:
+    """Each depth on the sequence-sharded residual stream: its norms and projection act per
+    token (sequence parallel: weights replicated, gradients summed over the tp ranks), its block
+    is split like the main ones; it embeds and predicts through the main embedding and head."""
+    styles: dict[str, ParallelStyle] = {}
+    for k in range(1, cfg.mtp.depth + 1):
+        prefix = f"mtp.depths.{k}"
+        for name in ("embed_norm", "hidden_norm", "proj", "norm"):
+            styles[f"{prefix}.{name}"] = SequenceParallel(use_local_output=True)
+        block = _block_styles(
+            low_rank_query=cfg.mla.q_lora_rank > 0, moe=cfg.is_moe_layer(cfg.n_layers + k - 1)
+        )
+        styles |= {f"{prefix}.block.{name}": style for name, style in block.items()}
+    return styles
+
+
+def _block_styles(*, low_rank_query: bool, moe: bool) -> dict[str, ParallelStyle]:
+    query = ("attention.wq_b",) if low_rank_query else ("attention.wq",)
     return {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
@@ -77,5 +102,5 @@ def _block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
         **{name: ColwiseParallel() for name in (*query, "attention.wkv_b")},
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        **(moe_ffn_tp() if is_moe_block(block) else dense_ffn_tp()),
+        **(moe_ffn_tp() if moe else dense_ffn_tp()),
     }
