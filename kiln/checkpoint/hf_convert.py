@@ -1,5 +1,6 @@
 """Convert between Hugging Face checkpoints (safetensors) and kiln checkpoints, through the
-adapters of the model families (kiln/model/registry.py: Llama, Qwen3, Mixtral, Qwen3-MoE).
+adapters of the model families (kiln/model/registry.py: Llama, Qwen3, Mixtral, Qwen3-MoE,
+DeepSeek-V3).
 
 Deliberately free of `transformers` (an optional extra): configs are read and written as JSON and
 weights through safetensors, one tensor at a time, so converting a large model never holds two
@@ -24,12 +25,16 @@ from kiln.checkpoint.hf_tensors import check_keys, export_tensors, load_tensors
 from kiln.checkpoint.layout import find_tokenizer, resolve_checkpoint
 from kiln.config import JobConfig, ModelConfig, read_toml
 from kiln.errors import KilnError
+from kiln.log import info
 from kiln.model.build import build_model, materialize
+from kiln.model.family import NameMap
 from kiln.model.registry import family_of, hf_adapter_for, model_config_from_hf
 from kiln.tokens import BOS_CANDIDATES, EOS_CANDIDATES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# The initialization of parameters a Hugging Face checkpoint lacks (see _init_unmapped).
+UNMAPPED_INIT_SEED = 0
 # transformers' save_pretrained default.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _INDEX = "model.safetensors.index.json"
@@ -56,6 +61,7 @@ def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
     # No random init (seed=None): every parameter is overwritten below, buffers are zeroed.
     model = materialize(build_model(cfg), device="cpu", seed=None)
+    _init_unmapped(model, names, hf_dir)
     load_tensors(model, names, tensor_files)
 
     tokenizer = hf_dir / "tokenizer.json"
@@ -68,6 +74,18 @@ def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
         train_state={},
         tokenizer_path=tokenizer if tokenizer.is_file() else None,
     )
+
+
+def _init_unmapped(model: torch.nn.Module, names: NameMap, hf_dir: Path) -> None:
+    """Parameters the checkpoint does not hold (DeepSeek-V3's multi-token prediction modules,
+    which transformers' save_pretrained leaves out) keep kiln's initialization, said once."""
+    unmapped = [name for name, _ in model.named_parameters() if not names.get(name)]
+    if unmapped:
+        model.init_weights(UNMAPPED_INIT_SEED)
+        info(
+            f"{len(unmapped)} parameters have no tensor in {hf_dir} and start from kiln's "
+            f"initialization (seed {UNMAPPED_INIT_SEED}; first: {unmapped[0]})"
+        )
 
 
 def kiln_to_hf(

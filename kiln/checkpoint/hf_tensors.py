@@ -35,8 +35,9 @@ def check_keys(hf_dir: Path, names: NameMap, tensor_files: dict[str, Path], tied
 
 @torch.no_grad()
 def load_tensors(model: torch.nn.Module, names: NameMap, tensor_files: dict[str, Path]) -> None:
-    """Fill every parameter of `model` from the Hugging Face tensors `names` assigns it."""
-    params = dict(model.named_parameters())
+    """Fill every parameter (and persistent buffer, such as DeepSeek's routing biases) of
+    `model` from the Hugging Face tensors `names` assigns it."""
+    targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     with ExitStack() as stack:
         handles = {
             file: stack.enter_context(safe_open(file, framework="pt"))
@@ -45,7 +46,7 @@ def load_tensors(model: torch.nn.Module, names: NameMap, tensor_files: dict[str,
         for kiln_name, parts in names.items():
             if not parts:
                 continue  # kept at its initial value (the router's expert_bias: zeros)
-            param = params[kiln_name]
+            param = targets[kiln_name]
             for part in parts:
                 tensor = _read(handles[tensor_files[part.name]], part)
                 target = param[part.expert] if part.expert is not None else param
@@ -56,27 +57,52 @@ def load_tensors(model: torch.nn.Module, names: NameMap, tensor_files: dict[str,
                         f"{tuple(tensor.shape)}, but config.json implies {tuple(target.shape)}; "
                         "the config and weights disagree"
                     )
-                target.copy_(tensor.to(torch.float32))
+                if part.copy:
+                    _check_copy(part.name, tensor, parts[0].name, target)
+                else:
+                    target.copy_(tensor.to(torch.float32))
+
+
+def _check_copy(name: str, tensor: torch.Tensor, main: str, target: torch.Tensor) -> None:
+    """A repeated tensor (read after its main copy) must hold the same values: kiln keeps one."""
+    if not torch.equal(tensor.to(target.dtype), target):
+        raise KilnError(
+            f"{name} differs from {main}; kiln's model shares one tensor between them (as "
+            "DeepSeek-V3's multi-token prediction shares the embedding and output head), so "
+            "this checkpoint cannot be converted"
+        )
 
 
 def _read(handle, part: HfPart) -> torch.Tensor:
-    """The HF tensor of `part`, or only its half (a fused gate_up_proj: gate rows, then up)."""
+    """The HF tensor of `part`, or only its half (a fused gate_up_proj: gate rows, then up), with
+    its rows in kiln's order."""
     if part.half is None:
-        return handle.get_tensor(part.name)
-    view = handle.get_slice(part.name)
-    rows = view.get_shape()[1] // 2
-    return view[:, part.half * rows : (part.half + 1) * rows]
+        tensor = handle.get_tensor(part.name)
+    else:
+        view = handle.get_slice(part.name)
+        rows = view.get_shape()[1] // 2
+        tensor = view[:, part.half * rows : (part.half + 1) * rows]
+    if part.rows is not None:
+        tensor = tensor[list(part.rows)]
+    return tensor
 
 
 def export_tensors(model: torch.nn.Module, names: NameMap) -> dict[str, torch.Tensor]:
     """Hugging Face name -> a view of the model's tensor (one expert's slice for stacked
-    experts); nothing is copied until a shard converts it."""
+    experts); nothing is copied until a shard converts it, but for tensors whose rows are
+    reordered (DeepSeek's rotary rows of the query and key projections: a copy each)."""
     weights = {}
     for kiln_name, tensor in model.state_dict().items():
         for part in names[kiln_name]:
             if part.half is not None:
                 raise ValueError(f"{part.name}: fused halves are read, never written")
-            weights[part.name] = tensor[part.expert] if part.expert is not None else tensor
+            view = tensor[part.expert] if part.expert is not None else tensor
+            if part.rows is not None:
+                # Back to the Hugging Face order: HF row rows[r] is kiln row r.
+                order = torch.empty(len(part.rows), dtype=torch.long)
+                order[list(part.rows)] = torch.arange(len(part.rows))
+                view = view[order]
+            weights[part.name] = view
     return weights
 
 

@@ -61,11 +61,17 @@ class HfPart:
     expert: the HF tensor is `kiln_tensor[expert]` (one expert of a stacked 3-D parameter).
     half: the kiln tensor is this half (0 or 1) along dim 1 of the HF tensor (a fused
     gate_up_proj: gate first, then up); only read, never written.
+    rows: kiln row r is HF row rows[r], a permutation of all rows (DeepSeek's rotary dimensions,
+    interleaved in HF and half-split in kiln); export writes the inverse (a copy, not a view).
+    copy: the HF tensor repeats another part of the same kiln tensor (DeepSeek-V3's MTP layer
+    stores the embedding and head again): written on export, checked equal on import.
     """
 
     name: str
     expert: int | None = None
     half: int | None = None
+    rows: tuple[int, ...] | None = None
+    copy: bool = False
 
 
 # kiln name -> the Hugging Face tensors it is made of; a kiln tensor with no parts (the MoE

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.config.sections import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.kv_cache import KVCache
 
@@ -40,11 +41,13 @@ def generate(
     if n_new <= 0:
         return []
     param = next(model.parameters())
+    heads, key_dim, value_dim = cache_widths(cfg)
     cache = KVCache(
         n_layers=cfg.n_layers,
         batch=1,
-        n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.resolved_head_dim,
+        n_kv_heads=heads,
+        head_dim=key_dim,
+        value_dim=value_dim,
         max_len=len(prompt_ids) + n_new - 1,
         device=param.device,
         dtype=_activation_dtype(param),
@@ -58,6 +61,16 @@ def generate(
         if token == eos_id or len(new) == n_new or (stop is not None and stop(new)):
             return new
         logits = model(torch.tensor([[token]], device=param.device), cache)[0, -1]
+
+
+def cache_widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    """The heads, key width and value width a layer caches per token: the key-value heads of
+    grouped-query attention, or every head of multi-head latent attention (family deepseek_v3),
+    whose keys (qk_nope + qk_rope) and values (v_head_dim) are cached expanded."""
+    if cfg.family == "deepseek_v3":
+        mla = cfg.mla
+        return cfg.n_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    return cfg.n_kv_heads, cfg.resolved_head_dim, cfg.resolved_head_dim
 
 
 def _activation_dtype(param: torch.Tensor) -> torch.dtype:

@@ -16,10 +16,13 @@ class KVCache:
         max_len: int,
         device,
         dtype,
+        value_dim: int = 0,
     ):
+        """`value_dim`: the width of a value head when it is not `head_dim` (multi-head latent
+        attention's keys are qk_nope + qk_rope wide, its values v_head_dim); 0: head_dim."""
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros((*shape[:-1], value_dim or head_dim), device=device, dtype=dtype)
         self.pos = 0
         self.max_len = max_len
 

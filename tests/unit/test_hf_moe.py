@@ -262,7 +262,7 @@ def _write_config(path: Path, config: dict) -> Path:
 
 
 @pytest.mark.parametrize(
-    "config_class", ["Qwen2MoeConfig", "DeepseekV3Config", "GptOssConfig", "MiniMaxConfig"]
+    "config_class", ["Qwen2MoeConfig", "DeepseekV2Config", "GptOssConfig", "MiniMaxConfig"]
 )
 def test_unsupported_moe_family_is_one_clear_error(tmp_path, capsys, config_class):
     config = getattr(transformers, config_class)().to_dict()
