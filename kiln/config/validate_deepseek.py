@@ -6,8 +6,9 @@ from __future__ import annotations
 from kiln.config.sections import JobConfig, ModelConfig
 
 # Layouts multi-token prediction does not run under in this release: its tokens ahead cross
-# context-parallel chunks, and expert parallel splits only the main blocks' experts.
-MTP_REFUSED_DIMS = ("cp", "ep")
+# context-parallel chunks, and the tensor- and expert-parallel treatment of an MoE block (its
+# gradients summed over the tp ranks, its experts split over ep) covers the main blocks only.
+MTP_REFUSED_DIMS = ("tp", "cp", "ep")
 
 
 def deepseek_problems(cfg: JobConfig) -> list[str]:
@@ -72,7 +73,7 @@ def _mtp_problems(cfg: JobConfig) -> list[str]:
             layout = ", ".join(f"distributed.{d} = {getattr(cfg.distributed, d)}" for d in split)
             problems.append(
                 f"model.mtp.depth = {mtp.depth} with {layout}: multi-token prediction runs "
-                "with data, tensor and pipeline parallel but not yet with context or expert "
+                "with data and pipeline parallel, not yet with tensor, context or expert "
                 "parallel; set model.mtp.depth = 0 for this layout"
             )
     return problems

@@ -1,6 +1,7 @@
 """What a model part is and what its forward is given, stated instead of set on it from outside:
 its pipeline stage (built in), and per-call arguments the training step passes (context
-parallel's gathers, whether to apply the output head, the MoE losses' normalization)."""
+parallel's gathers, whether to apply the output head, the normalization of the MoE losses and
+of a model's own losses)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,16 @@ class StageRole:
     @classmethod
     def whole(cls, n_layers: int) -> StageRole:
         return cls(tuple(range(n_layers)))
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """The factor the training step's backward puts on token-loss sums (1 / the step's valid
+    tokens, times FSDP's compensation), for the losses a model adds itself. A dataclass, not a
+    tensor: a pipeline schedule splits tensor arguments into micro-batches and hands the rest
+    to every micro-batch as it is."""
+
+    per_token: torch.Tensor | float
 
 
 class SequenceGathers(Protocol):

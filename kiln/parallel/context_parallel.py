@@ -83,12 +83,13 @@ class ContextParallel:
         return inputs[:, positions], labels[:, positions], local
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (batch, heads, local seq, head_dim) of the whole sequences: every cp
+        """Keys and values (batch, heads, local seq, width) of the whole sequences: every cp
         rank's, in rank order, in one all-gather; the backward sums each rank's gradient back to
-        its owner (reduce-scatter)."""
-        both = torch.stack([k, v]).movedim(3, 0).contiguous()
+        its owner (reduce-scatter). Keys and values may differ in width (MLA)."""
+        both = torch.cat([k, v], dim=-1).movedim(2, 0).contiguous()
         gathered = _ContiguousGradient.apply(_all_gather_autograd(both, 0, self.group))
-        return tuple(gathered.movedim(0, 3).unbind(0))
+        k, v = gathered.movedim(0, 2).split([k.shape[-1], v.shape[-1]], dim=-1)
+        return k, v
 
     @torch.no_grad()
     def gather_sequence(self, values: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,17 @@ def build_schedule(
     )
 
 
+def tied_weights(
+    parts: list[nn.Module], cfg: JobConfig, parallel: ParallelContext
+) -> TiedEmbedding | None:
+    """The sync of a weight two pipeline stages hold (the family's plan names it: tied
+    embeddings, DeepSeek-V3's embedding under multi-token prediction); None without one."""
+    pipelined = parallel.degrees["pp"] > 1
+    if not pipelined or family_of(cfg.model).parallel_plan(cfg.model).tied_weight is None:
+        return None
+    return TiedEmbedding(parts, cfg, parallel)
+
+
 class TiedEmbedding:
     """Keeps the first stage's embedding and the last stage's output head, one weight held twice,
     in step: their gradients are summed so both copies take the same optimizer step. Every rank

@@ -21,6 +21,7 @@ from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
 from kiln.metrics.param_norms import param_grad_norms
 from kiln.model.document_mask import document_ids
+from kiln.model.forward_args import LossScale
 from kiln.parallel.agree import any_rank
 from kiln.parallel.collectives import sum_over
 from kiln.parallel.context_parallel import ContextParallel
@@ -29,7 +30,7 @@ from kiln.parallel.forward_backward import ForwardBackward
 from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.mixed_precision import training_autocast
-from kiln.parallel.pipeline import TiedEmbedding
+from kiln.parallel.pipeline import tied_weights
 from kiln.resilience.nan_injection import NanInjection
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
@@ -73,8 +74,7 @@ class TrainStep:
         self.model_parts, self.optimizers = model_parts, optimizers
         pipelined = parallel.degrees["pp"] > 1
         self.pipeline_group = parallel.mesh["pp"].get_group() if pipelined else None
-        tied = pipelined and cfg.model.tie_embeddings
-        self.tied = TiedEmbedding(model_parts, cfg, parallel) if tied else None
+        self.tied = tied_weights(model_parts, cfg, parallel)
         self.duplicates = self.tied.duplicates if self.tied is not None else ()
         # A mixture's datasets share one tokenizer (checked at start-up), so one EOS id.
         self.eos_id = sources[0].eos_id
@@ -136,7 +136,7 @@ class TrainStep:
             scale = self.grad_scale / valid
             if self.model_adds_losses:  # its losses are normalized like the main loss
                 kwargs = kwargs | {"labels": labels}
-                options = options | {"loss_scale": scale}
+                options = options | {"loss_scale": LossScale(scale)}
             losses = self.forward_backward(inputs, labels, kwargs, options, scale=scale)
             total += losses.sum()
             for hook in self.hooks:

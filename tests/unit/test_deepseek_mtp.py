@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kiln.config.sections import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from kiln.model import build_model
+from kiln.model.forward_args import LossScale
 from kiln.tokens import IGNORE_INDEX
 
 CFG = ModelConfig(
@@ -79,7 +80,7 @@ def report_mtp_losses(model, inputs, labels):
 def test_mtp_losses_and_gradients_follow_the_report():
     model, inputs, labels = model_and_batch()
     scale = 1.0 / 32
-    logits = model(inputs, labels=labels, loss_scale=scale)
+    logits = model(inputs, labels=labels, loss_scale=LossScale(scale))
     main = F.cross_entropy(
         logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -120,6 +121,6 @@ def test_mtp_runs_only_in_training_forwards_with_labels():
         plain = model(inputs)
         assert all(pair[0] == 0 for pair in model.take_losses().values())
         # The main logits do not depend on whether the extra depths ran.
-        with_labels = model(inputs, labels=labels, loss_scale=1.0)
+        with_labels = model(inputs, labels=labels, loss_scale=LossScale(1.0))
     assert torch.equal(plain, with_labels)
     assert all(pair[0] == 0 for pair in model.take_losses().values())  # eval: not counted

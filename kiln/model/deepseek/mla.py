@@ -40,6 +40,9 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.wq = nn.Linear(cfg.dim, query_width, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, m.kv_lora_rank + self.rope, bias=False)
+        # The rotary key every head shares, as a module: tensor parallel sums its gradient over
+        # the ranks' heads here (plan.py), since it reaches no head-split projection.
+        self.shared_rope_key = nn.Identity()
         self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=cfg.norm_eps)
         self.wkv_b = nn.Linear(m.kv_lora_rank, cfg.n_heads * (self.nope + self.value), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.value, cfg.dim, bias=False)
@@ -69,7 +72,7 @@ class MultiHeadLatentAttention(nn.Module):
         keys_values = keys_values.view(batch, seq, -1, self.nope + self.value).transpose(1, 2)
         k_nope, v = keys_values.split([self.nope, self.value], dim=-1)
         # One rotary key (batch, 1, seq, rope) for all heads.
-        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)
+        k_rope = apply_rope(self.shared_rope_key(k_rope).unsqueeze(1), cos, sin)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         if cache is not None:

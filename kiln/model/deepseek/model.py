@@ -13,7 +13,7 @@ from kiln.model.decoder_block import DecoderBlock
 from kiln.model.deepseek.mla import MultiHeadLatentAttention
 from kiln.model.deepseek.mtp import MultiTokenPrediction
 from kiln.model.document_mask import layer_mask
-from kiln.model.forward_args import SequenceGathers, StageRole
+from kiln.model.forward_args import LossScale, SequenceGathers, StageRole
 from kiln.model.init import init_decoder_weights
 from kiln.model.kv_cache import KVCache
 from kiln.model.moe.balancing import AuxLossScale, attach_aux_loss
@@ -58,7 +58,7 @@ class Transformer(nn.Module):
         apply_head: bool = True,
         moe_scale: AuxLossScale | None = None,
         labels: torch.Tensor | None = None,
-        loss_scale: float | torch.Tensor | None = None,
+        loss_scale: LossScale | None = None,
     ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); the arguments as the Llama
         family's (kiln/model/llama/model.py). With `labels` (batch, seq) and `loss_scale` (the
@@ -98,7 +98,7 @@ class Transformer(nn.Module):
                 rope=(cos, sin),
                 block_args=block_args,
             )
-            extra = extra * loss_scale
+            extra = extra * loss_scale.per_token
             # Under tensor parallel the loss is a replicated DTensor; its gradient flows the same.
             out = attach_aux_loss(out, extra.to_local() if isinstance(extra, DTensor) else extra)
         return out

@@ -3,16 +3,16 @@
 Tensor parallel splits multi-head latent attention by heads after the up-projections (wq or wq_b,
 wkv_b column-split, wo row-split), as torchtitan's DeepSeek-V3 plan does. The down-projections
 and the norms of the latents (wq_a, q_norm, wkv_a, kv_norm) stay whole: every tp rank computes
-them on the whole sequence, and each rank's gradient of them covers only its own heads, so they
-are summed over the tp ranks like the MoE feed-forward's (`block_sequence_units`, see
-kiln/model/llama/plan.py). The feed-forwards are the Llama family's: dense ones column/row-split,
+them on the whole sequence, and the column-split up-projections all-reduce the gradient of
+their input over the tp ranks, so each rank's gradient of them is already the whole one. The feed-forwards are the Llama family's: dense ones column/row-split,
 MoE ones on each tp rank's part of the sequence. Multi-token prediction sits on the last stage.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -53,21 +53,13 @@ def deepseek_plan(cfg: ModelConfig) -> ParallelPlan:
     )
 
 
-def _latent_units(block: nn.Module) -> tuple[str, ...]:
-    kv = ("attention.wkv_a", "attention.kv_norm")
-    if block.attention.low_rank_query:
-        return ("attention.wq_a", "attention.q_norm", *kv)
-    return kv
-
-
 def _sequence_units(block: nn.Module) -> tuple[str, ...]:
-    moe = ("feed_forward.experts", "feed_forward") if is_moe_block(block) else ()
-    return _latent_units(block) + moe
+    return ("feed_forward.experts", "feed_forward") if is_moe_block(block) else ()
 
 
 def _fsdp_units(block: nn.Module) -> tuple[str, ...]:
     ffn = ("feed_forward.experts", "feed_forward") if is_moe_block(block) else ("feed_forward",)
-    return (*_latent_units(block), "attention", *ffn)
+    return ("attention", *ffn)
 
 
 def _block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
@@ -100,7 +92,21 @@ def _block_styles(*, low_rank_query: bool, moe: bool) -> dict[str, ParallelStyle
             use_local_output=True,
         ),
         **{name: ColwiseParallel() for name in (*query, "attention.wkv_b")},
+        "attention.shared_rope_key": SumGradientOverRanks(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
         **(moe_ffn_tp() if moe else dense_ffn_tp()),
     }
+
+
+class SumGradientOverRanks(ParallelStyle):
+    """The identity on a tensor every tp rank holds whole, whose gradient each rank computes
+    from its own heads only: the backward sums it over the ranks (Megatron's "f" operator)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partial_in_backward(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            (x,) = inputs
+            whole = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (whole.to_local(grad_placements=[Partial()]),)
+
+        return distribute_module(module, device_mesh, input_fn=partial_in_backward)
