@@ -44,14 +44,25 @@ class AttentionTerms:
     # "gqa": grouped-query attention over whole heads; "mla": multi-head latent attention.
     kind: Literal["gqa", "mla"]
     heads: int
-    # Widths per token of the queries, the keys, the values, and the attention output wo takes.
+    # Widths per token, all heads together, of the queries, the keys and the values attention
+    # takes, and of its output (what wo takes): split over tp by heads.
     query_width: int
     key_width: int
     value_width: int
-    # Weights of one block's attention, and the width of what one layer keeps per token for
-    # context parallel and the KV cache (keys and values).
+    output_width: int
+    # Weights of one block's attention; the width one layer caches per token for generation
+    # (keys and values; MLA: its latent and rotary key, one for all heads); and the width
+    # context parallel all-gathers per token (the keys and values attention takes, split over
+    # tp by heads).
     params: int
     cached_width: int
+    gathered_width: int
+    # Low-rank latents every tp rank computes whole (MLA's query and key-value latents, each
+    # behind an RMSNorm): their widths summed, and how many norms; the weights tp leaves whole
+    # (the down-projections and those norms).
+    latent_width: int = 0
+    latent_norms: int = 0
+    replicated_params: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,17 @@ CUDA's fused RMSNorm, which keeps its bf16 input and an fp32 rstd per token:
 
   attention: its norm's input 2·d + rstd 4, the normalized input the q/k/v projections keep
              2·d, q 2·d, k and v 2·kv_dim each, attention's output 2·d (wo's input, the same
-             storage), flash attention's log-sum-exp 4 per head;
+             storage), flash attention's log-sum-exp 4 per head; in general the widths the
+             family's `AttentionTerms` gives (MLA: queries and keys of heads·(nope + rope),
+             values and output of heads·v), and MLA's low-rank latents besides (each norm's
+             input 2 and rstd 4, the normalized latent its up-projection keeps 2);
   feed-forward: its norm's input 2·d + rstd 4, the normalized input 2·d, and SwiGLU's w1 and w3
              outputs, silu(w1) and the product (w2's input), 2·hidden each.
 
 Tensor parallel with sequence parallel (kiln's) divides all of it by tp but the two normalized
-inputs: the projections keep them all-gathered, the whole sequence on every tp rank. Without
-sequence parallel the norms' inputs are not divided either. An MoE block keeps attention and the
+inputs: the projections keep them all-gathered, the whole sequence on every tp rank; MLA's
+latents stay whole too (tp splits its heads after the up-projections). Without sequence
+parallel the norms' inputs are not divided either. An MoE block keeps attention and the
 norm and replaces SwiGLU's share by `moe_ffn_bytes_per_token` (each tp rank routes its own
 sequence shard, so it divides by tp whole).
 
@@ -21,13 +25,16 @@ input (2·d, sequence-split under tp) and recomputes one block at a time in back
 holds that block's activations and the largest gradients of its backward (`backward_transient`);
 `selective` checkpoints every other block (even layer indices). Context parallel divides the
 tokens by cp, but each layer's attention keeps the keys and values of the whole sequence it
-gathered (`gathered_kv_bytes`). Under pipeline parallel a rank holds its layers for as many
-micro-batches as its schedule keeps in flight (docs/pipeline.md).
+gathered (`gathered_kv_bytes`; MLA's expanded per head, not its latent). Under pipeline
+parallel a rank holds its layers for as many micro-batches as its schedule keeps in flight
+(docs/pipeline.md); the busiest is the last, which also runs the multi-token prediction
+modules: per depth one more block, never checkpointed (activation checkpointing wraps the
+model's blocks only), the norms and projection around it (`mtp_bytes_per_token`) and one more
+set of logits (`logit_bytes`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kiln.config.sections import JobConfig, ModelConfig
@@ -60,10 +67,13 @@ def attention_bytes_per_token(m: ModelConfig, tp: int = 1, *, sp: bool = True) -
     """Bytes the attention half of a block (its norm included) keeps for one token."""
     a = model_facts.attention(m)
     norm_input = 2 * m.dim + RSTD_BYTES
-    # Queries, keys and values, then the attention output that wo takes (as wide as the queries).
-    qkv = 2 * (a.query_width + a.key_width + a.value_width)
-    split = qkv + 2 * a.query_width + LSE_BYTES * a.heads
-    return (norm_input / tp if sp else norm_input) + 2 * m.dim + split / tp
+    # Queries, keys and values, then the attention output that wo takes.
+    split = 2 * (a.query_width + a.key_width + a.value_width + a.output_width)
+    split += LSE_BYTES * a.heads
+    # Low-rank latents (MLA), whole on every tp rank: each norm's input and the normalized
+    # latent the up-projection keeps, bf16, and each norm's rstd.
+    latents = 2 * 2 * a.latent_width + RSTD_BYTES * a.latent_norms
+    return (norm_input / tp if sp else norm_input) + 2 * m.dim + latents + split / tp
 
 
 def ffn_norm_bytes_per_token(
@@ -100,6 +110,17 @@ def moe_ffn_bytes_per_token(m: ModelConfig) -> float:
     return k * per_copy + router + shared
 
 
+def mtp_bytes_per_token(m: ModelConfig, tp: int = 1, *, sp: bool = True) -> float:
+    """What one multi-token prediction module (kiln/model/deepseek/mtp.py) keeps in front of and
+    behind its block, per token: the embedding of the token ahead its norm takes (2·d; the
+    previous hidden state the other norm takes is kept already), the three norms' rstd (4
+    each), the two normalized rows concatenated for proj (4·d), the block output its final norm
+    takes (2·d) and the normalized output the head takes (2·d). The norms' inputs split over tp
+    under sequence parallel like the blocks'."""
+    norm_inputs = 2 * 2 * m.dim + 3 * RSTD_BYTES
+    return (norm_inputs / tp if sp else norm_inputs) + 4 * m.dim + 2 * m.dim
+
+
 def layer_bytes_per_token(m: ModelConfig, *, moe: bool, tp: int = 1, sp: bool = True) -> float:
     """Activation bytes one token keeps in one layer without checkpointing, on one tp rank."""
     common = attention_bytes_per_token(m, tp, sp=sp)
@@ -124,7 +145,8 @@ def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
         return 0.0
     m, t = cfg.model, cfg.train
     sequences = t.batch_size / pipeline_microbatches(cfg, degrees)
-    return 2 * sequences * t.seq_len * model_facts.attention(m).cached_width / degrees["tp"]
+    width = model_facts.attention(m).gathered_width
+    return 2 * sequences * t.seq_len * width / degrees["tp"]
 
 
 def pipeline_microbatches(cfg: JobConfig, degrees: dict[str, int]) -> int:
@@ -167,18 +189,23 @@ def activation_bytes(
     dense = layer_bytes_per_token(m, moe=False, tp=tp, sp=sp) * tokens + gathered
     moe = layer_bytes_per_token(m, moe=True, tp=tp, sp=sp) * tokens + gathered
     checkpointed = CHECKPOINTED_LAYER_BYTES * m.dim * tokens / (tp if sp else 1)
-    layers = math.ceil(m.n_layers / degrees["pp"])
+    layers = model_facts.stage_layers(m, degrees["pp"])
     n_checkpointed = checkpointed_layers(cfg.train.activation_checkpointing, layers)
     # Which layers a rank holds and which of them are checkpointed is not worked out here: the
     # worst case is assumed, the rank holding as many MoE layers as there are and the biggest
     # layers being the ones that are not checkpointed.
-    moe_layers = min(layers, model_facts.moe_layers(m))
+    mtp_moe = model_facts.mtp_moe_blocks(m)
+    moe_layers = min(layers, model_facts.moe_layers(m) - mtp_moe)
     (big, n_big), (small, _) = sorted(
         [(moe, moe_layers), (dense, layers - moe_layers)], key=lambda size: -size[0] * bool(size[1])
     )
     whole = layers - n_checkpointed
     per_micro_batch = n_checkpointed * checkpointed
     per_micro_batch += min(whole, n_big) * big + max(0, whole - n_big) * small
+    # The last stage's MTP modules: their blocks whole, and what surrounds them.
+    depth = model_facts.mtp_depth(m)
+    per_micro_batch += mtp_moe * moe + (depth - mtp_moe) * dense
+    per_micro_batch += depth * mtp_bytes_per_token(m, tp, sp=sp) * tokens
     # The backward of the last micro-batch holds one block's gradients; a checkpointed block's
     # own activations besides, recomputed.
     transient = backward_transient_bytes_per_token(m, tp) * tokens
@@ -189,10 +216,14 @@ def activation_bytes(
 def logit_bytes(cfg: JobConfig, degrees: dict[str, int], impl: Implementation = KILN) -> float:
     """The loss's fp32 logits at their peak: of every token of a micro-batch (loss parallel
     gathers the sequence) over the vocabulary split by tp, or of one chunk of
-    `train.loss_chunk_tokens` tokens with the chunked loss."""
+    `train.loss_chunk_tokens` tokens with the chunked loss. Each multi-token prediction depth
+    computes its loss in the forward over every token (kiln/model/deepseek/mtp.py) and keeps
+    its fp32 log-probabilities (4 per logit) until the backward reaches it, whichever the main
+    loss."""
     m, t = cfg.model, cfg.train
     tokens = microbatch_tokens(cfg, degrees)
+    mtp = 4 * model_facts.mtp_depth(m) * tokens
     if t.loss == "chunked_cross_entropy":
         tokens = min(tokens, t.loss_chunk_tokens)
     vocab = m.vocab_size / degrees["tp"] if impl.loss_parallel else m.vocab_size
-    return LOGIT_BYTES * tokens * vocab
+    return (LOGIT_BYTES * tokens + mtp) * vocab

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.config.sections import JobConfig, ModelConfig
+from kiln.model.counts import moe_params
 from kiln.plan import model_facts
 from kiln.plan.activations import (
     KILN,
@@ -108,11 +109,13 @@ def fsdp_sharded(degrees: dict[str, int]) -> bool:
 
 
 def largest_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
-    """Parameters of the largest FSDP unit inside a block on one tp rank: attention, the dense
-    feed-forward (both split by tp), or one ep rank's routed experts (whole, all of them)."""
-    attention = model_facts.attention(m).params / degrees["tp"]
+    """Parameters of the largest FSDP unit inside a block on one tp rank: attention (split by tp
+    but what tp leaves whole: MLA's down-projections and latent norms), the dense feed-forward
+    (split by tp), or one ep rank's routed experts (whole, all of them)."""
+    a = model_facts.attention(m)
+    attention = (a.params - a.replicated_params) / degrees["tp"] + a.replicated_params
     units = [attention]
-    if model_facts.moe_layers(m) < m.n_layers:
+    if model_facts.moe_layers(m) < model_facts.blocks(m):
         units.append(3 * m.dim * m.ffn_hidden_dim / degrees["tp"])
     if m.moe.num_experts > 0:
         units.append(m.moe.num_experts // degrees["ep"] * 3 * m.dim * m.expert_hidden_dim)
@@ -121,10 +124,32 @@ def largest_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
 
 def root_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
     """Parameters of the root unit on the busiest (last) pipeline rank and one tp rank: the
-    output head (vocabulary-split by tp), and the token embeddings when one stage holds both."""
+    output head (vocabulary-split by tp), the token embeddings when one stage holds both or the
+    last stage's multi-token prediction modules embed the tokens ahead, and those modules
+    (FSDP shards them with the root: the plan's blocks are the model's)."""
     head = m.vocab_size * m.dim
-    embeddings = head if degrees["pp"] == 1 and not m.tie_embeddings else 0
-    return (head + embeddings) / degrees["tp"]
+    last_embeds = degrees["pp"] == 1 or model_facts.mtp_depth(m) > 0
+    embeddings = head if last_embeds and not m.tie_embeddings else 0
+    return (head + embeddings) / degrees["tp"] + mtp_params_per_rank(m, degrees)
+
+
+def mtp_params_per_rank(m: ModelConfig, degrees: dict[str, int]) -> float:
+    """Parameters of the multi-token prediction modules on one tp and ep rank: each depth's
+    projection and norms, and its block (attention and a dense feed-forward split by tp but
+    what tp leaves whole; an MoE one's router and shared experts whole, this ep rank's routed
+    experts)."""
+    depth = model_facts.mtp_depth(m)
+    if not depth:
+        return 0.0
+    a, tp, d = model_facts.attention(m), degrees["tp"], m.dim
+    attention = (a.params - a.replicated_params) / tp + a.replicated_params
+    per_depth = 2 * d * d + 5 * d + attention  # proj; embed_norm, hidden_norm, norm, 2 in block
+    moe = model_facts.mtp_moe_blocks(m)
+    routed = m.moe.num_experts * 3 * d * m.expert_hidden_dim
+    always = moe_params(m)[0] - routed  # router, shared experts
+    dense = 3 * d * m.ffn_hidden_dim / tp
+    ffn = moe * (always + routed / degrees["ep"]) + (depth - moe) * dense
+    return depth * per_depth + ffn
 
 
 def gathered_unit_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:

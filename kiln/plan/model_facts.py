@@ -2,11 +2,18 @@
 
 A search evaluates every candidate layout of the same model; counting its parameters walks the
 layers each time. The counts are kept by the model's field values (every ModelConfig field is a
-scalar, but the [model.moe] table, whose values are taken in turn), so an edited config is counted
-again.
+scalar, but the [model.moe], [model.mla] and [model.mtp] tables, whose values are taken in
+turn), so an edited config is counted again.
+
+Multi-token prediction (`model.mtp.depth`, family deepseek_v3) adds a block per depth after the
+model's last, numbered n_layers + k - 1 for depth k: the last pipeline stage runs them, with one
+more pass through the output head each. They are outside the model's `blocks` (its ParallelPlan):
+activation checkpointing does not wrap them and FSDP shards them with the root unit.
 """
 
 from __future__ import annotations
+
+import math
 
 from kiln.config.sections import ModelConfig
 from kiln.model import ParamCount, count_params, flops_per_token
@@ -16,11 +23,14 @@ from kiln.model.registry import family_of
 _PARAMS: dict[tuple, ParamCount] = {}
 _MOE_LAYERS: dict[tuple, int] = {}
 _FLOPS: dict[tuple, int] = {}
+_ATTENTION: dict[tuple, AttentionTerms] = {}
 _LIMIT = 256
+# ModelConfig's tables (dataclasses, unhashable): keyed by their values.
+_TABLES = ("moe", "mla", "mtp")
 
 
 def _key(m: ModelConfig) -> tuple:
-    return tuple(tuple(vars(v).values()) if k == "moe" else v for k, v in vars(m).items())
+    return tuple(tuple(vars(v).values()) if k in _TABLES else v for k, v in vars(m).items())
 
 
 def _remember(cache: dict, key: tuple, value):
@@ -36,12 +46,38 @@ def params(m: ModelConfig) -> ParamCount:
     return found if found is not None else _remember(_PARAMS, key, count_params(m))
 
 
+def mtp_depth(m: ModelConfig) -> int:
+    """Multi-token prediction modules, one block each, that training runs on the last stage."""
+    return max(m.mtp.depth, 0)
+
+
+def blocks(m: ModelConfig) -> int:
+    """Transformer blocks a token goes through in training: the model's and MTP's."""
+    return m.n_layers + mtp_depth(m)
+
+
+def stage_layers(m: ModelConfig, pp: int) -> int:
+    """The model's blocks on the busiest pipeline stage (at most the ceiling of an even split)."""
+    return math.ceil(m.n_layers / pp)
+
+
+def stage_blocks(m: ModelConfig, pp: int) -> int:
+    """Blocks the busiest pipeline stage runs: the last, with its share of the model's blocks
+    and the MTP modules' blocks."""
+    return stage_layers(m, pp) + mtp_depth(m)
+
+
+def mtp_moe_blocks(m: ModelConfig) -> int:
+    """MTP blocks with an MoE feed-forward."""
+    return sum(m.is_moe_layer(m.n_layers + k) for k in range(mtp_depth(m)))
+
+
 def moe_layers(m: ModelConfig) -> int:
-    """Blocks with an MoE feed-forward."""
+    """Blocks with an MoE feed-forward, MTP's included."""
     key = _key(m)
     found = _MOE_LAYERS.get(key)
     if found is None:
-        found = _remember(_MOE_LAYERS, key, sum(m.is_moe_layer(i) for i in range(m.n_layers)))
+        found = _remember(_MOE_LAYERS, key, sum(m.is_moe_layer(i) for i in range(blocks(m))))
     return found
 
 
@@ -54,4 +90,8 @@ def flops(m: ModelConfig, seq_len: int) -> int:
 
 def attention(m: ModelConfig) -> AttentionTerms:
     """The shape of one block's attention, as the family describes it."""
-    return family_of(m).attention_terms(m)
+    key = _key(m)
+    found = _ATTENTION.get(key)
+    return (
+        found if found is not None else _remember(_ATTENTION, key, family_of(m).attention_terms(m))
+    )

@@ -43,10 +43,13 @@ def state_bytes_per_param(optimizer: str, *, muon_matrix: bool) -> int:
 
 def muon_matrix_params(m: ModelConfig) -> int:
     """Parameters Muon takes (kiln/train/optimizer.py): every matrix but the token embeddings and
-    the output head, i.e. all but those and the norms' gains (the only vectors)."""
+    the output head, i.e. all but those and the norms' gains (the only vectors): each block's
+    two, q/k norms, MLA's latent norms; the final norm and each MTP module's three."""
     params = model_facts.params(m)
     head = 0 if m.tie_embeddings else params.embedding
-    norms = m.n_layers * (2 * m.dim + (2 * m.resolved_head_dim if m.qk_norm else 0)) + m.dim
+    per_block = 2 * m.dim + (2 * m.resolved_head_dim if m.qk_norm else 0)
+    per_block += model_facts.attention(m).latent_width
+    norms = model_facts.blocks(m) * per_block + m.dim + 3 * m.dim * model_facts.mtp_depth(m)
     return params.total - params.embedding - head - norms
 
 

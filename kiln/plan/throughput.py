@@ -1,10 +1,12 @@
 """Step time, tokens per second and MFU of a layout: compute, each collective, and how they
 overlap.
 
-Compute: the honest FLOPs per token MFU uses (the family's counts (kiln/model/llama/counts.py): 6 per matmul weight a token
-goes through, MoE's top-k experts only, plus causal attention), times the recompute activation
-checkpointing adds (a block's forward is a third of its forward and backward), over the GPU's
-dense peak times `COMPUTE_EFFICIENCY`. A pipeline adds its schedule's idle share
+Compute: the honest FLOPs per token MFU uses (the family's counts, kiln/model/llama/counts.py and
+kiln/model/deepseek/counts.py: 6 per matmul weight a token goes through, MoE's top-k experts
+only, MLA's down- and up-projections, multi-token prediction's blocks and extra head passes,
+plus causal attention), times the recompute activation checkpointing adds (a block's forward is
+a third of its forward and backward; MTP's blocks are never checkpointed), over the GPU's dense
+peak times `COMPUTE_EFFICIENCY`. A pipeline adds its schedule's idle share
 (kiln/parallel/pipeline_split.py's bubble formulas).
 
 Communication, bytes each GPU sends per step, per collective (a ring moves (n − 1)/n of the
@@ -74,8 +76,10 @@ def data_ranks(degrees: dict[str, int]) -> int:
 def recompute_factor(cfg: JobConfig, degrees: dict[str, int]) -> float:
     """Work over model FLOPs: checkpointed blocks run their forward twice, and a forward is a
     third of a block's forward and backward."""
-    layers = math.ceil(cfg.model.n_layers / degrees["pp"])
-    share = checkpointed_layers(cfg.train.activation_checkpointing, layers) / layers
+    layers = model_facts.stage_layers(cfg.model, degrees["pp"])
+    # Of the blocks a stage runs, MTP's are never checkpointed.
+    blocks = model_facts.stage_blocks(cfg.model, degrees["pp"])
+    share = checkpointed_layers(cfg.train.activation_checkpointing, layers) / blocks
     return 1 + share / 3
 
 
@@ -141,7 +145,7 @@ def tp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> flo
     if degrees["tp"] == 1:
         return 0.0
     m = cfg.model
-    layers = math.ceil(m.n_layers / degrees["pp"])
+    layers = model_facts.stage_blocks(m, degrees["pp"])
     moe = min(layers, model_facts.moe_layers(m))
     collectives = (4 * (layers - moe) + 2 * moe) * layer_passes(cfg, degrees) + 4
     size = 2 * microbatch_tokens(cfg, degrees) * m.dim * ring_share(degrees["tp"])
@@ -154,13 +158,13 @@ def micro_batches_per_step(cfg: JobConfig, degrees: dict[str, int]) -> int:
 
 
 def cp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
-    """Each layer all-gathers the keys and values (bf16) of its micro-batch's sequences over
-    cp, each pass."""
+    """Each layer all-gathers the keys and values (bf16; MLA's expanded per head) of its
+    micro-batch's sequences over cp, each pass."""
     if degrees["cp"] == 1:
         return 0.0
     m = cfg.model
-    layers = math.ceil(m.n_layers / degrees["pp"])
-    kv = model_facts.attention(m).cached_width / degrees["tp"]
+    layers = model_facts.stage_blocks(m, degrees["pp"])
+    kv = model_facts.attention(m).gathered_width / degrees["tp"]
     whole = 2 * kv * microbatch_tokens(cfg, degrees) * degrees["cp"]
     size = whole * ring_share(degrees["cp"]) * layers * layer_passes(cfg, degrees)
     return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "cp"))
@@ -172,7 +176,7 @@ def ep_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> flo
     m = cfg.model
     if m.moe.num_experts <= 0 or degrees["ep"] == 1:
         return 0.0
-    layers = math.ceil(m.n_layers / degrees["pp"])
+    layers = model_facts.stage_blocks(m, degrees["pp"])
     moe = min(layers, model_facts.moe_layers(m))
     copies = microbatch_tokens(cfg, degrees) / degrees["tp"] * m.moe.top_k
     size = 2 * 2 * copies * m.dim * ring_share(degrees["ep"]) * moe * layer_passes(cfg, degrees)

@@ -31,6 +31,8 @@ RECIPES = {
     "llama3_8b_128k_32gpu": (32, {"dp_shard": 8, "cp": 4}),
     # Continued pretraining from released weights (docs/models.md)
     "qwen3_8b_16gpu_continue": (16, {"dp_shard": 16, "tp": 1}),
+    # DeepSeek-V3 family (docs/models.md)
+    "deepseek_v2_lite_16gpu_ep8": (16, {"dp_shard": 2, "ep": 8, "tp": 1}),
 }
 # One process: smoke runs and the demo.
 SMALL_RECIPES = {"debug", "demo", "debug_moe"}

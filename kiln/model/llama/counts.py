@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kiln.config.sections import ModelConfig
+from kiln.model.counts import causal_attention_flops, moe_params
 from kiln.model.family import AttentionTerms, ParamCount
 
 
@@ -16,8 +17,10 @@ def attention_terms(cfg: ModelConfig) -> AttentionTerms:
         query_width=query,
         key_width=kv,
         value_width=kv,
+        output_width=query,
         params=2 * d * query + 2 * d * kv,
         cached_width=2 * kv,
+        gathered_width=2 * kv,
     )
 
 
@@ -30,7 +33,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     head = cfg.vocab_size * d
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     dense_layers = cfg.n_layers - moe_layers
-    moe_total, moe_active = _moe_params(cfg)
+    moe_total, moe_active = moe_params(cfg)
     layers_total = cfg.n_layers * (attention + norms) + dense_layers * dense_mlp
     total = (
         embedding + layers_total + moe_layers * moe_total + d + (0 if cfg.tie_embeddings else head)
@@ -40,18 +43,6 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     return ParamCount(total=total, embedding=embedding, matmul=matmul, active=total - idle_experts)
 
 
-def _moe_params(cfg: ModelConfig) -> tuple[int, int]:
-    """Parameters of one MoE feed-forward: all of them, and those one token uses. Every one of
-    them is a matmul weight (router, experts, shared experts and their gate)."""
-    if cfg.moe.num_experts <= 0:
-        return 0, 0
-    d, expert = cfg.dim, 3 * cfg.dim * cfg.expert_hidden_dim
-    always = d * cfg.moe.num_experts + cfg.moe.shared_experts * expert
-    if cfg.moe.shared_experts and cfg.moe.shared_expert_gate:
-        always += d
-    return always + cfg.moe.num_experts * expert, always + cfg.moe.top_k * expert
-
-
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Forward + backward FLOPs per trained token: 6 per matmul weight a token goes through
     (with MoE: its top-k experts, not all of them) plus causal attention.
@@ -59,7 +50,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     Attention scores and values cost 12·L·S·D per token without a mask; causal halves that.
     The embedding lookup is a gather, not a matmul, and is not counted.
     """
-    return (
-        6 * count_params(cfg).matmul
-        + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
-    )
+    hd = cfg.resolved_head_dim
+    attention = causal_attention_flops(seq_len, cfg.n_heads, hd, hd)
+    return 6 * count_params(cfg).matmul + cfg.n_layers * attention

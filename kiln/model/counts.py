@@ -1,0 +1,26 @@
+"""Counts every family shares: the Mixture-of-Experts feed-forward's parameters and causal
+attention's FLOPs. No torch here (kiln plan and kiln check count without it)."""
+
+from __future__ import annotations
+
+from kiln.config.sections import ModelConfig
+
+
+def moe_params(cfg: ModelConfig) -> tuple[int, int]:
+    """Parameters of one MoE feed-forward (kiln/model/moe): all of them, and those one token
+    uses. Every one of them is a matmul weight (router, experts, shared experts and their
+    gate); the router's expert biases are buffers, not parameters."""
+    if cfg.moe.num_experts <= 0:
+        return 0, 0
+    d, expert = cfg.dim, 3 * cfg.dim * cfg.expert_hidden_dim
+    always = d * cfg.moe.num_experts + cfg.moe.shared_experts * expert
+    if cfg.moe.shared_experts and cfg.moe.shared_expert_gate:
+        always += d
+    return always + cfg.moe.num_experts * expert, always + cfg.moe.top_k * expert
+
+
+def causal_attention_flops(seq_len: int, heads: int, key_width: int, value_width: int) -> int:
+    """Forward + backward FLOPs per token of one layer's causal attention: scores (q·k over
+    `key_width` per head) and the weighted values (`value_width` per head), 2 FLOPs per
+    multiply-add each, times 3 for the backward, halved by the causal mask."""
+    return 3 * seq_len * heads * (key_width + value_width)
