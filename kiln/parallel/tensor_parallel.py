@@ -26,7 +26,7 @@ def apply_tensor_parallel(
     (tensorwise) take torchao's float8 styles, which gather their inputs in float8."""
     # A pipeline stage holds only some top-level modules; its hidden states cross stages
     # sequence-sharded.
-    present = {name: style for name, style in plan.tp.items() if _holds(model, name)}
+    present = {name: style for name, style in plan.tp.items() if getattr(model, name) is not None}
     if present:
         parallelize_module(
             model, mesh, float8_tensor_parallel(model, present) if float8 else present
@@ -36,12 +36,3 @@ def apply_tensor_parallel(
         if float8:
             styles = float8_tensor_parallel(block, styles)
         parallelize_module(block, mesh, styles)
-
-
-def _holds(model: nn.Module, path: str) -> bool:
-    """Whether this stage holds the module at `path` (a dotted path; a dropped module is None)."""
-    for name in path.split("."):
-        model = getattr(model, name, None)
-        if model is None:
-            return False
-    return True

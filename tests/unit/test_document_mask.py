@@ -9,8 +9,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from kiln.config import ModelConfig
 from kiln.model import KVCache, build_model, materialize
-from kiln.model.document_mask import build_document_mask, document_ids, masked_attention
 from kiln.model import document_mask as mask_module
+from kiln.model.document_mask import build_document_mask, document_ids, masked_attention
 
 EOS = 0
 CFG = ModelConfig(

@@ -39,7 +39,6 @@ def deepseek_plan(cfg: ModelConfig) -> ParallelPlan:
             "output": ColwiseParallel(
                 input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
             ),
-            **_mtp_tp(cfg),
         },
         block_tp=_block_tp,
         block_fsdp_units=_fsdp_units,
@@ -64,22 +63,6 @@ def _fsdp_units(block: nn.Module) -> tuple[str, ...]:
 
 def _block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
     return _block_styles(low_rank_query=block.attention.low_rank_query, moe=is_moe_block(block))
-
-
-def _mtp_tp(cfg: ModelConfig) -> dict[str, ParallelStyle]:
-    """Each depth on the sequence-sharded residual stream: its norms and projection act per
-    token (sequence parallel: weights replicated, gradients summed over the tp ranks), its block
-    is split like the main ones; it embeds and predicts through the main embedding and head."""
-    styles: dict[str, ParallelStyle] = {}
-    for k in range(1, cfg.mtp.depth + 1):
-        prefix = f"mtp.depths.{k}"
-        for name in ("embed_norm", "hidden_norm", "proj", "norm"):
-            styles[f"{prefix}.{name}"] = SequenceParallel(use_local_output=True)
-        block = _block_styles(
-            low_rank_query=cfg.mla.q_lora_rank > 0, moe=cfg.is_moe_layer(cfg.n_layers + k - 1)
-        )
-        styles |= {f"{prefix}.block.{name}": style for name, style in block.items()}
-    return styles
 
 
 def _block_styles(*, low_rank_query: bool, moe: bool) -> dict[str, ParallelStyle]:
