@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import tomllib
 import types
@@ -140,7 +141,7 @@ def _field_type(parts: list[str]) -> Any:
     for name in parts:
         if not dataclasses.is_dataclass(hint):
             return None
-        hint = typing.get_type_hints(hint).get(name)
+        hint = field_types(hint).get(name)
     return hint
 
 
@@ -195,8 +196,15 @@ REMOVED_KEYS = {
 _noted: set[str] = set()
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type hints of a config dataclass, once per class: resolving them costs
+    milliseconds, and `kiln plan` checks thousands of candidate layouts."""
+    return typing.get_type_hints(cls)
+
+
 def build_dataclass(cls: type, data: dict[str, Any], where: str, problems: list[str]) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     data = {key: value for key, value in data.items() if not _removed(f"{where}{key}")}
     for key in data:
@@ -343,7 +351,7 @@ def choice_problems(obj: Any, where: str = "") -> list[str]:
     value is not one of its words: a config built in Python rather than from TOML is not checked
     by `convert`, and a Literal is not enforced at run time."""
     problems = []
-    for name, hint in typing.get_type_hints(type(obj)).items():
+    for name, hint in field_types(type(obj)).items():
         value, key = getattr(obj, name), f"{where}{name}"
         if typing.get_origin(hint) in (typing.Union, types.UnionType) and value is None:
             continue
