@@ -62,11 +62,7 @@ def _fsdp_units(block: nn.Module) -> tuple[str, ...]:
 
 
 def _block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
-    return _block_styles(low_rank_query=block.attention.low_rank_query, moe=is_moe_block(block))
-
-
-def _block_styles(*, low_rank_query: bool, moe: bool) -> dict[str, ParallelStyle]:
-    query = ("attention.wq_b",) if low_rank_query else ("attention.wq",)
+    query = ("attention.wq_b",) if block.attention.low_rank_query else ("attention.wq",)
     return {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
@@ -78,7 +74,7 @@ def _block_styles(*, low_rank_query: bool, moe: bool) -> dict[str, ParallelStyle
         "attention.shared_rope_key": SumGradientOverRanks(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        **(moe_ffn_tp() if moe else dense_ffn_tp()),
+        **(moe_ffn_tp() if is_moe_block(block) else dense_ffn_tp()),
     }
 
 
