@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
 from kiln.model.decoder_block import DecoderBlock
@@ -98,9 +97,7 @@ class Transformer(nn.Module):
                 rope=(cos, sin),
                 block_args=block_args,
             )
-            extra = extra * loss_scale.per_token
-            # Under tensor parallel the loss is a replicated DTensor; its gradient flows the same.
-            out = attach_aux_loss(out, extra.to_local() if isinstance(extra, DTensor) else extra)
+            out = attach_aux_loss(out, extra * loss_scale.per_token)
         return out
 
     def head_weight(self) -> torch.Tensor:

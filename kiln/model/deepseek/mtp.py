@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
 from kiln.model.decoder_block import DecoderBlock
@@ -73,8 +72,8 @@ class MultiTokenPrediction(nn.Module):
     ) -> torch.Tensor:
         """The weighted sum over depths of the token-loss sums (a scalar). hidden (batch, seq,
         dim): the main model's last block output; embed, head: the main model's embedding and
-        output head (modules: under tensor parallel they take and give the sharded layouts); rope: the (cos, sin) tables and block_args the keyword arguments (mask,
-        ...) the main blocks took."""
+        output head (modules, called as the main model calls them); rope: the (cos, sin) tables
+        and block_args the keyword arguments (mask, ...) the main blocks took."""
         total = None
         for key, depth in self.depths.items():
             k = int(key)
@@ -84,7 +83,6 @@ class MultiTokenPrediction(nn.Module):
             joined = torch.cat([depth.embed_norm(embedded), depth.hidden_norm(hidden)], dim=-1)
             hidden = depth.block(depth.proj(joined), *rope, **block_args)
             logits = head(depth.norm(hidden))
-            # Vocabulary-sharded logits under tensor parallel: the step runs in loss_parallel.
             loss_sum = F.cross_entropy(
                 logits.flatten(0, 1).float(),
                 targets.flatten(),
@@ -92,7 +90,7 @@ class MultiTokenPrediction(nn.Module):
                 reduction="sum",
             )
             if is_training_forward():
-                self.loss_sums[k - 1] += _plain(loss_sum.detach())
+                self.loss_sums[k - 1] += loss_sum.detach()
                 self.token_counts[k - 1] += (targets != IGNORE_INDEX).sum()
             total = loss_sum if total is None else total + loss_sum
         return total * self.weight
@@ -111,8 +109,3 @@ class MultiTokenPrediction(nn.Module):
         """Zero the loss counts (buffers hold garbage after `to_empty`)."""
         self.loss_sums.zero_()
         self.token_counts.zero_()
-
-
-def _plain(value: torch.Tensor) -> torch.Tensor:
-    """A loss computed from vocabulary-sharded logits is a (replicated) DTensor."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
