@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from kiln.config.sections import ModelConfig
-from kiln.model.feed_forward_plan import dense_ffn_tp, is_moe_block, moe_ffn_tp
 from kiln.model.parallel_plan import ParallelPlan
+from kiln.model.tp_styles import dense_ffn_tp, embedding_and_head_tp, is_moe_block, moe_ffn_tp
 
 
 def llama_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -30,13 +30,7 @@ def llama_plan(cfg: ModelConfig) -> ParallelPlan:
     tied = cfg.tie_embeddings
     return ParallelPlan(
         blocks="layers",
-        tp={
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
+        tp=embedding_and_head_tp(),
         block_tp=_llama_block_tp,
         block_fsdp_units=_llama_fsdp_units,
         first_stage=("tok_embeddings",),

@@ -1,14 +1,33 @@
-"""Tensor-parallel styles of the feed-forwards the families share (the dense SwiGLU and the
-Mixture-of-Experts block); a family's plan puts them beside its attention's."""
+"""Tensor-parallel styles the families share: the vocabulary-split embedding and head around a
+sequence-parallel final norm, the dense SwiGLU and the Mixture-of-Experts block; a family's plan
+puts them beside its attention's."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from kiln.model.moe.block import MoEFeedForward
+
+
+def embedding_and_head_tp() -> dict[str, ParallelStyle]:
+    """The embedding split by vocabulary rows into the sequence-sharded residual stream, the
+    final norm sequence-parallel, the head split by vocabulary with its logits left sharded for
+    the loss (loss parallel)."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
 
 
 def is_moe_block(block: nn.Module) -> bool:
