@@ -21,7 +21,13 @@ from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
 from kiln.config.pipeline import num_stages
-from kiln.config.sections import DataConfig, DistributedConfig, EvalConfig, ModelConfig
+from kiln.config.sections import (
+    DataConfig,
+    DistributedConfig,
+    EvalConfig,
+    MLAConfig,
+    ModelConfig,
+)
 from kiln.config.validate import LAYOUT_DIMS
 from kiln.errors import KilnError
 
@@ -55,6 +61,15 @@ def proxy_config(
     m.vocab_size, m.max_seq_len = 4096, seq_len
     if m.moe.num_experts > 0:
         _shrink_experts(m, pipelined=cfg.distributed.pp > 1)
+    if m.family == "deepseek_v3":
+        # Latent attention's widths with the model's: a query latent or none, as it had.
+        m.mla = MLAConfig(
+            q_lora_rank=8 if m.mla.q_lora_rank else 0,
+            kv_lora_rank=8,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+        )
     t = proxy.train
     # One sequence per data rank, or per pipeline micro-batch.
     pipelined = cfg.distributed.pp > 1

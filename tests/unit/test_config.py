@@ -144,8 +144,8 @@ def test_llama3_rope_scaling_values_are_checked():
     assert "model.rope_scaling_factor must be >= 1" in message
     assert "must satisfy 0 < low < high" in message
     assert "model.rope_original_max_seq_len must be positive" in message
-    with pytest.raises(ConfigError, match=r"model\.rope_scaling = 'yarn' is not one of"):
-        config_from_dict({"model": {"rope_scaling": "yarn"}}, world_size=1)
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling = 'ntk' is not one of"):
+        config_from_dict({"model": {"rope_scaling": "ntk"}}, world_size=1)
     # The factors are Llama 3.1's by default and ignored without rope_scaling = "llama3".
     assert (
         config_from_dict(

@@ -10,7 +10,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from kiln.config import ModelConfig
 from kiln.model import build_model, materialize
 from kiln.model import init as tiled
-from kiln.model.llama import model as transformer
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden_dim=96)
 
@@ -119,7 +118,7 @@ def test_materialize_without_seed_builds_buffers_and_draws_nothing(monkeypatch):
     def no_draws(*args, **kwargs):
         raise AssertionError("seed=None must not draw weights")
 
-    monkeypatch.setattr(transformer, "fill_normal_", no_draws)
+    monkeypatch.setattr(tiled, "fill_normal_", no_draws)
     model = materialize(build_model(TINY), device="cpu", seed=None)
     reference = build_model(TINY, device="cpu")
     assert torch.equal(model.rope_cos, reference.rope_cos)
