@@ -5,11 +5,6 @@ from __future__ import annotations
 
 from kiln.config.sections import JobConfig, ModelConfig
 
-# Layouts multi-token prediction does not run under in this release: its tokens ahead cross
-# context-parallel chunks, and the tensor- and expert-parallel treatment of an MoE block (its
-# gradients summed over the tp ranks, its experts split over ep) covers the main blocks only.
-MTP_REFUSED_DIMS = ("tp", "cp", "ep")
-
 
 def deepseek_problems(cfg: JobConfig) -> list[str]:
     """Every problem with the family-specific keys of `cfg.model` and their layout."""
@@ -22,7 +17,7 @@ def deepseek_problems(cfg: JobConfig) -> list[str]:
                 f"'deepseek_v3', not {m.family!r}; set model.mtp.depth = 0"
             )
         return problems
-    return problems + _mla_problems(m) + _mtp_problems(cfg)
+    return problems + _mla_problems(m) + _mtp_problems(m)
 
 
 def _mla_problems(m: ModelConfig) -> list[str]:
@@ -60,22 +55,13 @@ def _mla_problems(m: ModelConfig) -> list[str]:
     return problems
 
 
-def _mtp_problems(cfg: JobConfig) -> list[str]:
-    mtp, problems = cfg.model.mtp, []
+def _mtp_problems(m: ModelConfig) -> list[str]:
+    mtp, problems = m.mtp, []
     if mtp.depth < 0 or mtp.loss_weight < 0:
         problems.append(
             f"model.mtp.depth ({mtp.depth}) and model.mtp.loss_weight ({mtp.loss_weight}) "
             "must be >= 0"
         )
-    if mtp.depth > 0:
-        split = [d for d in MTP_REFUSED_DIMS if getattr(cfg.distributed, d) > 1]
-        if split:
-            layout = ", ".join(f"distributed.{d} = {getattr(cfg.distributed, d)}" for d in split)
-            problems.append(
-                f"model.mtp.depth = {mtp.depth} with {layout}: multi-token prediction runs "
-                "with data and pipeline parallel, not yet with tensor, context or expert "
-                "parallel; set model.mtp.depth = 0 for this layout"
-            )
     return problems
 
 

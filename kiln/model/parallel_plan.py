@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
@@ -49,3 +50,30 @@ class ParallelPlan:
     block_attention: Callable[[nn.Module], tuple[str, ...]] = lambda block: ()
     # Linear layers FP8 keeps in high precision, by name or name segment (kiln/parallel/float8.py).
     float8_excluded: tuple[str, ...] = ()
+    # Blocks outside `blocks` that a model part holds (DeepSeek-V3's multi-token prediction
+    # depths), {path: the layer index it counts as}: tensor, expert and context parallel,
+    # activation checkpointing, compile and FSDP treat them like the main blocks, after them.
+    # The per-block functions above are called with them too.
+    extra_blocks: Callable[[nn.Module], dict[str, int]] = lambda model: {}
+
+
+class Block(NamedTuple):
+    """One block a model part holds: its path from the part, its layer index, the module."""
+
+    path: str
+    layer: int
+    module: nn.Module
+
+
+def blocks_of(model: nn.Module, plan: ParallelPlan) -> list[Block]:
+    """Every block of `model` (a model or one pipeline stage) the plan names, in the order the
+    forward runs them: the main blocks, then the extra ones."""
+    main = [
+        Block(f"{plan.blocks}.{name}", int(name), block)
+        for name, block in getattr(model, plan.blocks).items()
+    ]
+    extra = [
+        Block(path, layer, model.get_submodule(path))
+        for path, layer in plan.extra_blocks(model).items()
+    ]
+    return main + extra

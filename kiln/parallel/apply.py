@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from kiln.config.sections import JobConfig
+from kiln.model.parallel_plan import blocks_of
 from kiln.model.registry import family_of
 from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
 from kiln.parallel.all_to_all_stats import AllToAllStats
@@ -38,7 +39,7 @@ def apply_parallelism(
     itself, or under pipeline parallel the stages assigned to this rank, in stage order."""
     plan = family_of(cfg.model).parallel_plan(cfg.model)
     # Decided on the whole model: every rank takes part in creating the sequence mesh.
-    sequence_units = any(plan.block_sequence_units(b) for b in getattr(model, plan.blocks).values())
+    sequence_units = any(plan.block_sequence_units(b.module) for b in blocks_of(model, plan))
     degrees = parallel.degrees if parallel is not None else {"pp": 1, "tp": 1, "ep": 1, "cp": 1}
     pipelined = degrees["pp"] > 1
     parts = split_into_stages(cfg, parallel.mesh.get_local_rank("pp")) if pipelined else [model]

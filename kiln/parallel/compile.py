@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from kiln.model.parallel_plan import ParallelPlan
+from kiln.model.parallel_plan import ParallelPlan, blocks_of
 
 
 def compile_blocks(model: nn.Module, plan: ParallelPlan, *, communicating: bool) -> None:
@@ -33,12 +33,12 @@ def compile_blocks(model: nn.Module, plan: ParallelPlan, *, communicating: bool)
     `communicating`: the blocks hold tensor- or context-parallel collectives."""
     if communicating:
         torch._functorch.config.enable_autograd_cache = False
-    blocks = getattr(model, plan.blocks)
+    main = getattr(model, plan.blocks)
     for child in model.children():
-        if child is not blocks:
+        if child is not main:
             child.register_forward_hook(_settle_async_output)
-    for block in blocks.values():
-        block.compile()
+    for block in blocks_of(model, plan):
+        block.module.compile()
 
 
 def _settle_async_output(module: nn.Module, inputs: object, output: object) -> object:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import _functional_collectives
 from torch.distributed.device_mesh import DeviceMesh
 
-from kiln.model.parallel_plan import ParallelPlan
+from kiln.model.parallel_plan import ParallelPlan, blocks_of
 
 # The differentiable all-gather along dim 0: torch 2.13 names it `all_gather_single_autograd`,
 # torch 2.11 `all_gather_tensor_autograd` (a feature check, not a version check).
@@ -104,12 +104,9 @@ def check_context_parallel(model: nn.Module, plan: ParallelPlan) -> None:
     """The family's attention gathers the other parts of the sequence (its forward takes
     `context_parallel`, which the training step passes); a plan that names no attention layer
     says it cannot."""
-    layers = [
-        path
-        for block in getattr(model, plan.blocks).values()
-        for path in plan.block_attention(block)
-    ]
-    if getattr(model, plan.blocks) and not layers:
+    blocks = blocks_of(model, plan)
+    layers = [path for block in blocks for path in plan.block_attention(block.module)]
+    if blocks and not layers:
         raise ValueError(
             f"{type(model).__name__} names no attention layer for context parallel in its plan; "
             "set distributed.cp = 1"

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from kiln.model.parallel_plan import ParallelPlan
+from kiln.model.parallel_plan import ParallelPlan, blocks_of
 from kiln.parallel.all_to_all_stats import AllToAllStats
 from kiln.parallel.expert_dispatch import AllToAllDispatcher
 
@@ -25,7 +25,7 @@ def apply_expert_parallel(
     """Give every MoE layer the plan names an all-to-all dispatcher over `ep_mesh` and split its
     experts' weights over it; `stats` collects what the exchanges move (one per rank)."""
     group = ep_mesh.get_group()
-    for block in getattr(model, plan.blocks).values():
+    for block in (b.module for b in blocks_of(model, plan)):
         for path in plan.block_moe(block):
             moe = block.get_submodule(path)
             local = moe.dispatcher

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from kiln.model.parallel_plan import ParallelPlan
+from kiln.model.parallel_plan import ParallelPlan, blocks_of
 
 
 def apply_fsdp(
@@ -42,7 +42,7 @@ def apply_fsdp(
     are summed. A pipelined stage keeps its blocks gathered between forward and backward:
     resharding would all-gather again for every micro-batch. `reshard_after_forward` False
     keeps every block gathered from its forward to its backward (less traffic, more memory)."""
-    blocks = list(getattr(model, plan.blocks).values())
+    blocks = [block.module for block in blocks_of(model, plan)]
     for index, block in enumerate(blocks):
         # Activation checkpointing wraps the block; the plan names modules of the block itself.
         inner = getattr(block, "_checkpoint_wrapped_module", block)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from kiln.model.parallel_plan import ParallelPlan
+from kiln.model.parallel_plan import ParallelPlan, blocks_of
 from kiln.parallel.float8 import float8_tensor_parallel
 
 
@@ -31,7 +31,7 @@ def apply_tensor_parallel(
         parallelize_module(
             model, mesh, float8_tensor_parallel(model, present) if float8 else present
         )
-    for block in getattr(model, plan.blocks).values():
+    for block in (b.module for b in blocks_of(model, plan)):
         styles = plan.block_tp(block)
         if float8:
             styles = float8_tensor_parallel(block, styles)

@@ -28,9 +28,9 @@ tokens by cp, but each layer's attention keeps the keys and values of the whole 
 gathered (`gathered_kv_bytes`; MLA's expanded per head, not its latent). Under pipeline
 parallel a rank holds its layers for as many micro-batches as its schedule keeps in flight
 (docs/pipeline.md); the busiest is the last, which also runs the multi-token prediction
-modules: per depth one more block, never checkpointed (activation checkpointing wraps the
-model's blocks only), the norms and projection around it (`mtp_bytes_per_token`) and one more
-set of logits (`logit_bytes`).
+modules: per depth one more block with the norms and projection around it
+(`mtp_bytes_per_token`), checkpointed as a whole by the rule for blocks (its layer index follows
+the model's), and one more set of logits (`logit_bytes`).
 """
 
 from __future__ import annotations
@@ -110,15 +110,21 @@ def moe_ffn_bytes_per_token(m: ModelConfig) -> float:
     return k * per_copy + router + shared
 
 
-def mtp_bytes_per_token(m: ModelConfig, tp: int = 1, *, sp: bool = True) -> float:
-    """What one multi-token prediction module (kiln/model/deepseek/mtp.py) keeps in front of and
+def mtp_bytes_per_token(
+    m: ModelConfig, tp: int = 1, *, sp: bool = True, checkpointed: bool = False
+) -> float:
+    """What one multi-token prediction depth (kiln/model/deepseek/mtp.py) keeps in front of and
     behind its block, per token: the embedding of the token ahead its norm takes (2·d; the
     previous hidden state the other norm takes is kept already), the three norms' rstd (4
     each), the two normalized rows concatenated for proj (4·d), the block output its final norm
-    takes (2·d) and the normalized output the head takes (2·d). The norms' inputs split over tp
-    under sequence parallel like the blocks'."""
-    norm_inputs = 2 * 2 * m.dim + 3 * RSTD_BYTES
-    return (norm_inputs / tp if sp else norm_inputs) + 4 * m.dim + 2 * m.dim
+    takes (2·d) and the normalized output the head takes (2·d, gathered under tp). The norms'
+    inputs split over tp under sequence parallel like the blocks'. `checkpointed`: the depth is
+    recomputed in backward and keeps only its input embedding and what the head holds."""
+    embedding, head_input = 2 * m.dim, 2 * m.dim
+    if checkpointed:
+        return (embedding / tp if sp else embedding) + head_input
+    norm_inputs = embedding + 2 * m.dim + 3 * RSTD_BYTES
+    return (norm_inputs / tp if sp else norm_inputs) + 4 * m.dim + head_input
 
 
 def layer_bytes_per_token(m: ModelConfig, *, moe: bool, tp: int = 1, sp: bool = True) -> float:
@@ -202,10 +208,14 @@ def activation_bytes(
     whole = layers - n_checkpointed
     per_micro_batch = n_checkpointed * checkpointed
     per_micro_batch += min(whole, n_big) * big + max(0, whole - n_big) * small
-    # The last stage's MTP modules: their blocks whole, and what surrounds them.
-    depth = model_facts.mtp_depth(m)
-    per_micro_batch += mtp_moe * moe + (depth - mtp_moe) * dense
-    per_micro_batch += depth * mtp_bytes_per_token(m, tp, sp=sp) * tokens
+    # The last stage's MTP depths, each checkpointed whole or kept: its block and what
+    # surrounds it.
+    for layer in range(m.n_layers, m.n_layers + model_facts.mtp_depth(m)):
+        mode = cfg.train.activation_checkpointing
+        wrapped = mode == "full" or (mode == "selective" and layer % 2 == 0)
+        per_micro_batch += mtp_bytes_per_token(m, tp, sp=sp, checkpointed=wrapped) * tokens
+        if not wrapped:
+            per_micro_batch += moe if m.is_moe_layer(layer) else dense
     # The backward of the last micro-batch holds one block's gradients; a checkpointed block's
     # own activations besides, recomputed.
     transient = backward_transient_bytes_per_token(m, tp) * tokens

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.config.sections import JobConfig, ModelConfig
-from kiln.model.counts import moe_params
 from kiln.plan import model_facts
 from kiln.plan.activations import (
     KILN,
@@ -124,32 +123,13 @@ def largest_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
 
 def root_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
     """Parameters of the root unit on the busiest (last) pipeline rank and one tp rank: the
-    output head (vocabulary-split by tp), the token embeddings when one stage holds both or the
-    last stage's multi-token prediction modules embed the tokens ahead, and those modules
-    (FSDP shards them with the root: the plan's blocks are the model's)."""
+    output head (vocabulary-split by tp) and the token embeddings when one stage holds both or
+    the last stage's multi-token prediction modules embed the tokens ahead (those modules' depths
+    are FSDP units of their own, like blocks)."""
     head = m.vocab_size * m.dim
     last_embeds = degrees["pp"] == 1 or model_facts.mtp_depth(m) > 0
     embeddings = head if last_embeds and not m.tie_embeddings else 0
-    return (head + embeddings) / degrees["tp"] + mtp_params_per_rank(m, degrees)
-
-
-def mtp_params_per_rank(m: ModelConfig, degrees: dict[str, int]) -> float:
-    """Parameters of the multi-token prediction modules on one tp and ep rank: each depth's
-    projection and norms, and its block (attention and a dense feed-forward split by tp but
-    what tp leaves whole; an MoE one's router and shared experts whole, this ep rank's routed
-    experts)."""
-    depth = model_facts.mtp_depth(m)
-    if not depth:
-        return 0.0
-    a, tp, d = model_facts.attention(m), degrees["tp"], m.dim
-    attention = (a.params - a.replicated_params) / tp + a.replicated_params
-    per_depth = 2 * d * d + 5 * d + attention  # proj; embed_norm, hidden_norm, norm, 2 in block
-    moe = model_facts.mtp_moe_blocks(m)
-    routed = m.moe.num_experts * 3 * d * m.expert_hidden_dim
-    always = moe_params(m)[0] - routed  # router, shared experts
-    dense = 3 * d * m.ffn_hidden_dim / tp
-    ffn = moe * (always + routed / degrees["ep"]) + (depth - moe) * dense
-    return depth * per_depth + ffn
+    return (head + embeddings) / degrees["tp"]
 
 
 def gathered_unit_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:

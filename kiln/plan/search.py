@@ -193,13 +193,6 @@ def no_layout_message(base: JobConfig, result: PlanResult, smallest_gpus: int | 
         if smallest_gpus
         else "; no count up to the largest tried fits: shorten seq_len or pick a larger GPU"
     )
-    if base.model.mtp.depth > 0:
-        # The search skips the layouts the validator refuses; say which key rules out most.
-        hint += (
-            f"; model.mtp.depth = {base.model.mtp.depth} rules out every layout with tp, cp or "
-            "ep (multi-token prediction does not run with them yet): "
-            "--model.mtp.depth=0 opens them"
-        )
     return (
         f"{what} fits no layout on {c.gpus} × {c.gpu.name} "
         f"({c.gpu.memory_bytes / 1e9:.0f} GB each){need}{hint}"

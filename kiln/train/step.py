@@ -121,7 +121,7 @@ class TrainStep:
         ]
         for hook in self.hooks:
             hook.before_step(batch, read)
-        micro_batches = [self._prepare(inputs, labels) for inputs, labels in read]
+        micro_batches = [self._prepare(inputs, labels, training=True) for inputs, labels in read]
         # This rank's valid tokens, summed over the ranks holding the others (data and cp);
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
         valid = sum(count_valid(labels) for _, labels, _ in micro_batches)
@@ -135,7 +135,6 @@ class TrainStep:
                 self.model_parts[0].set_requires_gradient_sync(index == len(micro_batches) - 1)
             scale = self.grad_scale / valid
             if self.model_adds_losses:  # its losses are normalized like the main loss
-                kwargs = kwargs | {"labels": labels}
                 options = options | {"loss_scale": LossScale(scale)}
             losses = self.forward_backward(inputs, labels, kwargs, options, scale=scale)
             total += losses.sum()
@@ -263,16 +262,19 @@ class TrainStep:
         return losses, count_valid(labels)
 
     def _prepare(
-        self, inputs: torch.Tensor, labels: torch.Tensor
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, training: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Inputs, labels and model arguments of this rank's part of a micro-batch: under
-        context parallel its chunks of each sequence (document ids taken on whole sequences)."""
+        context parallel its chunks of each sequence (document ids taken on whole sequences).
+        A model with losses of its own takes the whole sequences' labels in training: its
+        tokens ahead of a chunk's end sit in the next chunk."""
         kwargs = {}
         if self.cfg.data.document_mask:
             kwargs["document_ids"] = document_ids(inputs, self.eos_id)
-        if self.context is None:
-            return inputs, labels, kwargs
-        return self.context.shard_batch(inputs, labels, kwargs)
+        whole = {"labels": labels} if training and self.model_adds_losses else {}
+        if self.context is not None:
+            inputs, labels, kwargs = self.context.shard_batch(inputs, labels, kwargs)
+        return inputs, labels, kwargs | whole
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from kiln.cli import main
-from kiln.cli.plan import base_config
 from kiln.config import JobConfig, ModelConfig, load_config
 from kiln.model import build_model, count_params, flops_per_token, materialize
 from kiln.model.forward_args import LossScale
@@ -166,22 +165,24 @@ def test_mla_attention_terms_for_the_671b_shape():
 
 
 def test_mtp_and_mla_enter_the_planners_memory_and_flops_terms():
-    """The same layout with and without MTP: its block, kept whole under full AC (activation
-    checkpointing wraps the model's blocks only), the norms and projection around it, one more
-    set of fp32 log-probabilities, its weights in the root FSDP unit, and its FLOPs; context
-    parallel gathers MLA's expanded keys and values (heads × (nope + rope + v)), split over
-    tp."""
+    """The same layout with and without MTP: its depth, checkpointed under full AC like a block
+    (it keeps its input embedding and the head's input) and whole without AC (its block, the
+    norms and projection around it), one more set of fp32 log-probabilities, its weights in an
+    FSDP unit of its own (not the root's), and its FLOPs; context parallel gathers MLA's
+    expanded keys and values (heads × (nope + rope + v)), split over tp."""
     cfg = JobConfig(model=preset("deepseek_v3_671b"))
     cfg.train.seq_len, cfg.train.batch_size, cfg.train.activation_checkpointing = 4096, 1, "full"
     m, d, tokens, vocab = cfg.model, 7168, 4096, 129280
     layout = {**ONE, "dp_shard": 128, "ep": 8}
     off = replace(cfg, model=without_mtp(m))
     on_kept, off_kept = activation_bytes(cfg, layout).kept, activation_bytes(off, layout).kept
+    assert on_kept - off_kept == (2 * d + 2 * d) * tokens
+    for job in (cfg, off):
+        job.train.activation_checkpointing = "none"
+    on_kept, off_kept = activation_bytes(cfg, layout).kept, activation_bytes(off, layout).kept
     assert on_kept - off_kept == (layer_bytes_per_token(m, moe=True) + 10 * d + 12) * tokens
     assert logit_bytes(cfg, layout) - logit_bytes(off, layout) == 4 * tokens * vocab
-    expert = 3 * d * 2048
-    mtp_module = 2 * d * d + 5 * d + 187_107_328 + d * 256 + expert + 256 * expert / 8
-    assert root_unit_params(m, layout) - root_unit_params(off.model, layout) == mtp_module
+    assert root_unit_params(m, layout) == root_unit_params(off.model, layout)
     on_memory, off_memory = estimate_memory(cfg, layout), estimate_memory(off, layout)
     assert on_memory.weights > off_memory.weights  # the MTP block's experts and proj
     cluster = _cluster()
@@ -215,30 +216,11 @@ def _plan(monkeypatch, capsys, model: str, gpus: int) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _no_mtp_model(tmp_path) -> str:
-    path = tmp_path / "deepseek_v3_671b_no_mtp.toml"
-    path.write_text('preset = "deepseek_v3_671b"\n\n[mtp]\ndepth = 0\n')
-    return str(path)
-
-
 @pytest.mark.parametrize("gpus", [1024, 2048])
-def test_plan_answers_for_671b_without_mtp(gpus, monkeypatch, capsys, tmp_path):
-    report = _plan(monkeypatch, capsys, _no_mtp_model(tmp_path), gpus)
+def test_plan_answers_for_671b_as_released(gpus, monkeypatch, capsys):
+    report = _plan(monkeypatch, capsys, "deepseek_v3_671b", gpus)
     best = report["top"][0]
     assert report["fitting"] > 0 and best["fits"] and best["memory_reserved_gb"] < 78
     # 256 experts of 2048 in 58 blocks: no layout fits without expert parallel.
     assert all(c["layout"]["ep"] > 1 for c in report["top"])
     assert 0.05 < best["mfu"] < 0.6
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="kiln/config/validate_deepseek.py refuses MTP with expert parallel (MTP_REFUSED_DIMS), "
-    "without which the 671B model fits no layout; remove this mark when MTP runs under ep",
-)
-@pytest.mark.parametrize("gpus", [1024, 2048])
-def test_plan_answers_for_671b_as_released(gpus, monkeypatch):
-    # The search itself: when nothing fits, `kiln plan` goes on to look for a GPU count that does.
-    monkeypatch.setattr(plan_search, "factorizations", _few_layouts)
-    result = plan_search.search(base_config("deepseek_v3_671b", None), _cluster(gpus))
-    assert result.ranked and result.ranked[0].degrees["ep"] > 1

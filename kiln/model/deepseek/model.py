@@ -60,7 +60,8 @@ class Transformer(nn.Module):
         loss_scale: LossScale | None = None,
     ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); the arguments as the Llama
-        family's (kiln/model/llama/model.py). With `labels` (batch, seq) and `loss_scale` (the
+        family's (kiln/model/llama/model.py). With `labels` (batch, whole seq: under context
+        parallel the whole sequences' labels, not this rank's chunks) and `loss_scale` (the
         factor the step's backward puts on token-loss sums) in training, the multi-token
         prediction losses join the backward; without them (eval, generation, export) the MTP
         modules do not run."""
@@ -92,6 +93,7 @@ class Transformer(nn.Module):
             extra = self.mtp(
                 h,
                 labels,
+                positions=positions,
                 embed=self.tok_embeddings,
                 head=self.output,
                 rope=(cos, sin),

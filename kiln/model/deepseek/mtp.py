@@ -13,7 +13,9 @@ the projection's two column blocks swapped).
 
 The tokens ahead come from the labels (labels[i] = t_{i+1}): t_{i+k} = labels[i+k-1] and the
 target t_{i+k+1} = labels[i+k]; a position whose token ahead is masked or past the end has no
-target. The extra loss enters the backward through `attach_aux_loss` and each depth's loss sum
+target. Under context parallel a rank holds chunks of each sequence, and the tokens ahead of
+its last positions sit on another rank: the model takes the whole sequences' labels and reads
+them at its global positions. The extra loss enters the backward through `attach_aux_loss` and each depth's loss sum
 and token count are kept for the step's records (`take_losses`)."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
 from kiln.model.decoder_block import DecoderBlock
@@ -29,8 +32,16 @@ from kiln.model.moe.router import is_training_forward
 from kiln.tokens import IGNORE_INDEX
 
 
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    # Under tensor parallel the head's logits are split over the vocabulary and the cross
+    # entropy (loss parallel) returns the whole sum as a replicated DTensor: every tp rank's
+    # local value is that sum, and its backward hands the vocabulary-split logits their part.
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
 class MTPDepth(nn.Module):
-    """One depth: the two norms, the projection back to the model width, a block, a final norm."""
+    """One depth: the two norms, the projection back to the model width, a block, a final norm.
+    The family's parallel plan treats it as a block (kiln/model/deepseek/plan.py)."""
 
     def __init__(self, cfg: ModelConfig, depth: int):
         super().__init__()
@@ -38,17 +49,27 @@ class MTPDepth(nn.Module):
         self.hidden_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
         # Numbered after the main blocks: dense or MoE like a block of that index would be.
-        layer = cfg.n_layers + depth - 1
-        self.block = DecoderBlock(cfg, layer, attention=MultiHeadLatentAttention(cfg))
+        self.layer = cfg.n_layers + depth - 1
+        self.block = DecoderBlock(cfg, self.layer, attention=MultiHeadLatentAttention(cfg))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
+    def forward(
+        self, hidden: torch.Tensor, embedded: torch.Tensor, cos, sin, **block_args
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h^k, RMSNorm(h^k)) from h^{k-1} and the embedded tokens ahead, (batch, seq, dim)."""
+        joined = torch.cat([self.embed_norm(embedded), self.hidden_norm(hidden)], dim=-1)
+        hidden = self.block(self.proj(joined), cos, sin, **block_args)
+        return hidden, self.norm(hidden)
 
-def tokens_ahead(labels: torch.Tensor, shift: int) -> torch.Tensor:
-    """labels[:, i + shift] at position i, IGNORE_INDEX past the end."""
-    if shift == 0:
-        return labels
-    pad = labels.new_full((labels.shape[0], shift), IGNORE_INDEX)
-    return torch.cat([labels[:, shift:], pad], dim=1)
+
+def tokens_ahead(labels: torch.Tensor, positions: torch.Tensor, shift: int) -> torch.Tensor:
+    """labels[b, positions[b, i] + shift] at (b, i), IGNORE_INDEX past the end. `labels` holds
+    whole sequences; `positions` the positions this rank computes (all of them, or its chunks
+    under context parallel, whose tokens ahead may sit on another rank)."""
+    index = positions + shift
+    past_end = index >= labels.shape[1]
+    ahead = labels.gather(1, index.clamp(max=labels.shape[1] - 1))
+    return ahead.masked_fill(past_end, IGNORE_INDEX)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -69,25 +90,31 @@ class MultiTokenPrediction(nn.Module):
         head: nn.Module,
         rope: tuple[torch.Tensor, torch.Tensor],
         block_args: dict,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The weighted sum over depths of the token-loss sums (a scalar). hidden (batch, seq,
-        dim): the main model's last block output; embed, head: the main model's embedding and
-        output head (modules, called as the main model calls them); rope: the (cos, sin) tables
-        and block_args the keyword arguments (mask, ...) the main blocks took."""
+        dim): the main model's last block output; labels (batch, whole seq): the labels of the
+        whole sequences; positions (batch, seq): the positions of `hidden`'s tokens, None for
+        all in order; embed, head: the main model's embedding and output head (modules, called
+        as the main model calls them); rope: the (cos, sin) tables and block_args the keyword
+        arguments (mask, ...) the main blocks took."""
+        if positions is None:
+            positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
         total = None
         for key, depth in self.depths.items():
             k = int(key)
-            ahead = tokens_ahead(labels, k - 1)
-            targets = tokens_ahead(labels, k).masked_fill(ahead == IGNORE_INDEX, IGNORE_INDEX)
-            embedded = embed(ahead.clamp(min=0))
-            joined = torch.cat([depth.embed_norm(embedded), depth.hidden_norm(hidden)], dim=-1)
-            hidden = depth.block(depth.proj(joined), *rope, **block_args)
-            logits = head(depth.norm(hidden))
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(),
-                targets.flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
+            ahead = tokens_ahead(labels, positions, k - 1)
+            targets = tokens_ahead(labels, positions, k).masked_fill(
+                ahead == IGNORE_INDEX, IGNORE_INDEX
+            )
+            hidden, normed = depth(hidden, embed(ahead.clamp(min=0)), *rope, **block_args)
+            loss_sum = _local(
+                F.cross_entropy(
+                    head(normed).flatten(0, 1).float(),
+                    targets.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
             )
             if is_training_forward():
                 self.loss_sums[k - 1] += loss_sum.detach()
