@@ -65,7 +65,7 @@ class MultiHeadLatentAttention(nn.Module):
             cos, sin = cos[start : start + seq], sin[start : start + seq]
         query = self.wq_b(self.q_norm(self.wq_a(x))) if self.low_rank_query else self.wq(x)
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        query = query.view(batch, seq, -1, self.nope + self.rope).transpose(1, 2)
+        query = query.view(batch, seq, -1, self.nope + self.rope)
         q_nope, q_rope = query.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
         keys_values = self.wkv_b(self.kv_norm(latent))
@@ -73,7 +73,10 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = keys_values.split([self.nope, self.value], dim=-1)
         # One rotary key (batch, 1, seq, rope) for all heads.
         k_rope = apply_rope(self.shared_rope_key(k_rope).unsqueeze(1), cos, sin)
-        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        # The query is joined in (batch, seq, heads, width) and handed on transposed: attention
+        # returns its output in the query's layout, which then goes into wo without a copy.
+        q_rope = apply_rope(q_rope.transpose(1, 2), cos, sin).transpose(1, 2)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         if cache is not None:
             k, v = cache.update(layer, k, v)
