@@ -73,8 +73,9 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = keys_values.split([self.nope, self.value], dim=-1)
         # One rotary key (batch, 1, seq, rope) for all heads.
         k_rope = apply_rope(self.shared_rope_key(k_rope).unsqueeze(1), cos, sin)
-        # The query is joined in (batch, seq, heads, width) and handed on transposed: attention
-        # returns its output in the query's layout, which then goes into wo without a copy.
+        # The query is joined in (batch, seq, heads, width) and handed on transposed: flex
+        # attention (the CUDA path) returns its output in the query's stride order, which then
+        # goes into wo without a copy.
         q_rope = apply_rope(q_rope.transpose(1, 2), cos, sin).transpose(1, 2)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
