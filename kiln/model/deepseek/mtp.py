@@ -15,8 +15,8 @@ The tokens ahead come from the labels (labels[i] = t_{i+1}): t_{i+k} = labels[i+
 target t_{i+k+1} = labels[i+k]; a position whose token ahead is masked or past the end has no
 target. Under context parallel a rank holds chunks of each sequence, and the tokens ahead of
 its last positions sit on another rank: the model takes the whole sequences' labels and reads
-them at its global positions. The extra loss enters the backward through `attach_aux_loss` and each depth's loss sum
-and token count are kept for the step's records (`take_losses`)."""
+them at its global positions. The extra loss enters the backward through `attach_aux_loss`, and
+each depth's loss sum and token count are kept for the step's records (`take_losses`)."""
 
 from __future__ import annotations
 
