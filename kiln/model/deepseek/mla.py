@@ -71,6 +71,9 @@ class MultiHeadLatentAttention(nn.Module):
         keys_values = self.wkv_b(self.kv_norm(latent))
         keys_values = keys_values.view(batch, seq, -1, self.nope + self.value).transpose(1, 2)
         k_nope, v = keys_values.split([self.nope, self.value], dim=-1)
+        # A copy of its own: attention keeps v for the backward, and as a view it would keep
+        # wkv_b's whole output alive, the non-rotary keys (already copied into k) included.
+        v = v.contiguous()
         # One rotary key (batch, 1, seq, rope) for all heads.
         k_rope = apply_rope(self.shared_rope_key(k_rope).unsqueeze(1), cos, sin)
         # The query is joined in (batch, seq, heads, width) and handed on transposed: flex
