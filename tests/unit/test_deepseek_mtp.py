@@ -8,7 +8,11 @@ import torch.nn.functional as F
 
 from kiln.config.sections import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from kiln.model import build_model
-from kiln.model.forward_args import LossScale
+from kiln.model.forward_args import LossScale, StageRole
+from kiln.model.names import canonical_name
+from kiln.model.parallel_plan import blocks_of
+from kiln.model.registry import family_of
+from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
 from kiln.tokens import IGNORE_INDEX
 
 CFG = ModelConfig(
@@ -124,3 +128,35 @@ def test_mtp_runs_only_in_training_forwards_with_labels():
         with_labels = model(inputs, labels=labels, loss_scale=LossScale(1.0))
     assert torch.equal(plain, with_labels)
     assert all(pair[0] == 0 for pair in model.take_losses().values())  # eval: not counted
+
+
+def test_mtp_depths_are_blocks_to_the_parallel_code():
+    """The plan names each depth after the main blocks with its layer index, so activation
+    checkpointing wraps it by the blocks' rule (selective: even layer indices) and the model
+    computes the same losses and gradients wrapped; a stage without the depths names none."""
+    plan = family_of(CFG).parallel_plan(CFG)
+    model, inputs, labels = model_and_batch()
+    blocks = [(b.path, b.layer) for b in blocks_of(model, plan)]
+    assert blocks == [("layers.0", 0), ("layers.1", 1), ("mtp.depths.1", 2), ("mtp.depths.2", 3)]
+    first_stage = family_of(CFG).build(CFG, StageRole((0,), first=True, last=False))
+    assert [b.path for b in blocks_of(first_stage, plan)] == ["layers.0"]
+
+    def loss_and_grads(model):
+        logits = model(inputs, labels=labels, loss_scale=LossScale(1.0))
+        F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+        ).backward()
+        return model.take_losses(), {canonical_name(n): p.grad for n, p in model.named_parameters()}
+
+    expected = loss_and_grads(model)
+    wrapped, _, _ = model_and_batch()
+    apply_activation_checkpointing(wrapped, plan, "selective")
+    assert [type(wrapped.mtp.depths[k]).__name__ for k in ("1", "2")] == [
+        "CheckpointWrapper",
+        "MTPDepth",
+    ]
+    losses, grads = loss_and_grads(wrapped)
+    # The same operations in the same order, recomputed: exact.
+    assert all(torch.equal(losses[k], expected[0][k]) for k in losses)
+    assert grads.keys() == expected[1].keys()
+    assert all(torch.equal(grads[n], expected[1][n]) for n in grads)
