@@ -102,8 +102,9 @@ def float8_tensor_parallel(
 ) -> dict[str, ParallelStyle]:
     """`styles` (a plan's TP styles for `module`) with torchao's float8 styles where they apply:
     column- and row-split layers that are Float8Linear, and a prepared input whose every
-    column-split consumer is one (it is then cast once, before the all-gather, instead of once
-    per consumer after it). Everything else keeps its style. Tensorwise scaling only."""
+    column-split consumer is one and which no unsplit linear layer under it may take (it is then
+    cast once, before the all-gather, instead of once per consumer after it). Everything else
+    keeps its style. Tensorwise scaling only."""
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -119,6 +120,16 @@ def float8_tensor_parallel(
             p for p, s in styles.items() if p.startswith(f"{path}.") and _is(s, ColwiseParallel)
         ]
 
+    def unsplit_under(path: str) -> list[str]:
+        # Linear layers that may take the prepared input whole (MLA's down-projections): a
+        # float8 input would reach them as float8 data they cannot multiply.
+        split = {p for p, s in styles.items() if _is(s, ColwiseParallel) or _is(s, RowwiseParallel)}
+        return [
+            f"{path}.{name}"
+            for name, sub in module.get_submodule(path).named_modules()
+            if name and isinstance(sub, nn.Linear) and f"{path}.{name}" not in split
+        ]
+
     converted = dict(styles)
     for path, style in styles.items():
         if _is(style, ColwiseParallel) and float8(path):
@@ -127,7 +138,7 @@ def float8_tensor_parallel(
             converted[path] = Float8RowwiseParallel(**_linear_layouts(style))
         elif _is(style, PrepareModuleInput) and style.input_layouts is not None:
             consumers = column_split_under(path)
-            if consumers and all(map(float8, consumers)):
+            if consumers and all(map(float8, consumers)) and not unsplit_under(path):
                 converted[path] = PrepareFloat8ModuleInput(
                     input_layouts=style.input_layouts,
                     desired_input_layouts=style.desired_input_layouts,

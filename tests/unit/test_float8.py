@@ -13,7 +13,7 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import compute_error
 
 from kiln.cli import main
-from kiln.config import JobConfig, ModelConfig, MoEConfig
+from kiln.config import JobConfig, ModelConfig, MoEConfig, load_config
 from kiln.config.sections import Float8Config, TrainConfig
 from kiln.config.validate import collect_problems
 from kiln.errors import ConfigError
@@ -199,3 +199,27 @@ def test_kiln_check_says_how_tensor_parallel_gathers_float8_inputs(capsys):
         args = ["check", recipe, "--train.mixed_precision=fp8", f"--fp8.recipe={recipe_name}"]
         assert main([*args, "--distributed.tp=2", "--world-size=2", "--config-only"]) == 0
         assert f"tensor parallel gathers their inputs in {gathered}" in capsys.readouterr().out
+
+
+def test_deepseek_blocks_gather_float8_only_where_every_taker_is_split_float8():
+    """Tensorwise float8 styles for a DeepSeek-V3 block under tp: MLA's input also reaches its
+    whole down-projections (wq_a, wkv_a), so it is gathered in high precision (cast to float8
+    for them, it crashed: "Expecting both Float8TrainingTensor for mm inputs"); a dense
+    feed-forward's, taken by its split w1 and w3 only, is gathered in float8; the MTP
+    projection, which runs on each tp rank's part of the sequence, stays out of float8."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+    from kiln.model.registry import family_of
+    from kiln.parallel.float8 import float8_tensor_parallel
+
+    cfg = load_config(str(REPO / "configs/train/debug.toml"), ["--model.preset=deepseek_v3_debug"])
+    plan = family_of(cfg.model).parallel_plan(cfg.model)
+    model = build_model(cfg.model)
+    convert_to_float8(model, cfg, device=torch.device("cpu"), tp=2, excluded=plan.float8_excluded)
+    dense = model.layers["0"]
+    styles = float8_tensor_parallel(dense, plan.block_tp(dense))
+    assert isinstance(dense.attention.wq_b, Float8Linear)
+    assert type(styles["attention"]) is PrepareModuleInput
+    assert type(styles["feed_forward"]) is PrepareFloat8ModuleInput
+    assert not isinstance(model.mtp.depths["1"].proj, Float8Linear)

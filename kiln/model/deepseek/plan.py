@@ -47,7 +47,9 @@ def deepseek_plan(cfg: ModelConfig) -> ParallelPlan:
         block_sequence_units=_in_depths(_sequence_units),
         block_moe=_in_depths(lambda block: ("feed_forward",) if is_moe_block(block) else ()),
         block_attention=_in_depths(lambda block: ("attention",)),
-        float8_excluded=("output", "router"),
+        # The MTP projection runs on each tp rank's part of the sequence: a tensorwise float8
+        # scale there would be that part's, not the whole tensor's as in one process.
+        float8_excluded=("output", "router", "proj"),
         extra_blocks=_mtp_depths,
     )
 
