@@ -179,6 +179,11 @@ class Activations:
         return self.kept + self.recompute
 
 
+def is_checkpointed(mode: str, layer: int) -> bool:
+    """Whether `mode` checkpoints the block of layer index `layer` (activation_checkpoint.py)."""
+    return mode == "full" or (mode == "selective" and layer % 2 == 0)
+
+
 def checkpointed_layers(mode: str, layers: int) -> int:
     """Of a rank's `layers`, how many `mode` checkpoints: all, every other one, none."""
     return {"none": 0, "full": layers, "selective": (layers + 1) // 2}[mode]
@@ -210,9 +215,8 @@ def activation_bytes(
     per_micro_batch += min(whole, n_big) * big + max(0, whole - n_big) * small
     # The last stage's MTP depths, each checkpointed whole or kept: its block and what
     # surrounds it.
-    for layer in range(m.n_layers, m.n_layers + model_facts.mtp_depth(m)):
-        mode = cfg.train.activation_checkpointing
-        wrapped = mode == "full" or (mode == "selective" and layer % 2 == 0)
+    for layer in model_facts.mtp_layers(m):
+        wrapped = is_checkpointed(cfg.train.activation_checkpointing, layer)
         per_micro_batch += mtp_bytes_per_token(m, tp, sp=sp, checkpointed=wrapped) * tokens
         if not wrapped:
             per_micro_batch += moe if m.is_moe_layer(layer) else dense

@@ -7,8 +7,8 @@ turn), so an edited config is counted again.
 
 Multi-token prediction (`model.mtp.depth`, family deepseek_v3) adds a block per depth after the
 model's last, numbered n_layers + k - 1 for depth k: the last pipeline stage runs them, with one
-more pass through the output head each. They are outside the model's `blocks` (its ParallelPlan):
-activation checkpointing does not wrap them and FSDP shards them with the root unit.
+more pass through the output head each. The family's plan names them as extra blocks: activation
+checkpointing wraps them by the blocks' rule and FSDP shards each as a unit of its own.
 """
 
 from __future__ import annotations
@@ -67,9 +67,14 @@ def stage_blocks(m: ModelConfig, pp: int) -> int:
     return stage_layers(m, pp) + mtp_depth(m)
 
 
+def mtp_layers(m: ModelConfig) -> range:
+    """The layer indices of the MTP blocks: after the model's."""
+    return range(m.n_layers, m.n_layers + mtp_depth(m))
+
+
 def mtp_moe_blocks(m: ModelConfig) -> int:
     """MTP blocks with an MoE feed-forward."""
-    return sum(m.is_moe_layer(m.n_layers + k) for k in range(mtp_depth(m)))
+    return sum(m.is_moe_layer(layer) for layer in mtp_layers(m))
 
 
 def moe_layers(m: ModelConfig) -> int:

@@ -5,7 +5,7 @@ Compute: the honest FLOPs per token MFU uses (the family's counts, kiln/model/ll
 kiln/model/deepseek/counts.py: 6 per matmul weight a token goes through, MoE's top-k experts
 only, MLA's down- and up-projections, multi-token prediction's blocks and extra head passes,
 plus causal attention), times the recompute activation checkpointing adds (a block's forward is
-a third of its forward and backward; MTP's blocks are never checkpointed), over the GPU's dense
+a third of its forward and backward; MTP's blocks by the blocks' rule), over the GPU's dense
 peak times `COMPUTE_EFFICIENCY`. A pipeline adds its schedule's idle share
 (kiln/parallel/pipeline_split.py's bubble formulas).
 
@@ -38,7 +38,12 @@ from dataclasses import dataclass
 from kiln.config.sections import JobConfig
 from kiln.parallel.pipeline_split import bubble_fraction
 from kiln.plan import model_facts
-from kiln.plan.activations import checkpointed_layers, microbatch_tokens, pipeline_microbatches
+from kiln.plan.activations import (
+    checkpointed_layers,
+    is_checkpointed,
+    microbatch_tokens,
+    pipeline_microbatches,
+)
 from kiln.plan.hardware import COMPUTE_EFFICIENCY, Cluster
 from kiln.plan.model_state import routed_expert_params
 
@@ -76,10 +81,12 @@ def data_ranks(degrees: dict[str, int]) -> int:
 def recompute_factor(cfg: JobConfig, degrees: dict[str, int]) -> float:
     """Work over model FLOPs: checkpointed blocks run their forward twice, and a forward is a
     third of a block's forward and backward."""
-    layers = model_facts.stage_layers(cfg.model, degrees["pp"])
-    # Of the blocks a stage runs, MTP's are never checkpointed.
-    blocks = model_facts.stage_blocks(cfg.model, degrees["pp"])
-    share = checkpointed_layers(cfg.train.activation_checkpointing, layers) / blocks
+    mode, m = cfg.train.activation_checkpointing, cfg.model
+    layers = model_facts.stage_layers(m, degrees["pp"])
+    # The last stage also runs MTP's blocks, checkpointed by their layer index.
+    mtp = sum(is_checkpointed(mode, layer) for layer in model_facts.mtp_layers(m))
+    blocks = model_facts.stage_blocks(m, degrees["pp"])
+    share = (checkpointed_layers(mode, layers) + mtp) / blocks
     return 1 + share / 3
 
 
