@@ -10,6 +10,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "configs" / "train" / "debug.toml"
 
+# The loopback servers (s3_endpoint, s3_env) for the remote-data and object-store tests.
+pytest_plugins = ["tests.support.servers"]
+
 # Two cores: keep torch from oversubscribing when tests run subprocesses.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
