@@ -66,3 +66,76 @@ def reach_error(location: str, error: BaseException) -> KilnError:
 def first_line_of(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[0][:300] if lines else ""
+
+
+# Fields stores report that change when an object's content does, as fsspec names them: S3's
+# ETag / LastModified / VersionId, GCS's md5Hash / crc32c / generation / updated, HTTP's ETag,
+# Last-Modified, Content-MD5 and Digest headers.
+_CHANGE_FIELDS = (
+    "ETag",
+    "etag",
+    "LastModified",
+    "last_modified",
+    "VersionId",
+    "md5Hash",
+    "crc32c",
+    "generation",
+    "updated",
+    "mtime",
+    "Last-Modified",
+    "Content-MD5",
+    "Digest",
+)
+
+
+def change_fields(info: dict[str, Any]) -> dict[str, str]:
+    """What of an fsspec `info()` result changes with the object's content (size aside), as
+    strings (dates included) so that it can be stored in JSON and compared."""
+    return {key: str(info[key]) for key in _CHANGE_FIELDS if info.get(key) not in (None, "")}
+
+
+# A stream of bytes read and dropped to reach an offset on a server without range requests.
+_SKIP_CHUNK = 2**22
+
+
+def open_at(location: str, offset: int) -> Any:
+    """`location` opened for reading bytes, positioned at `offset`. Object stores seek; an HTTP
+    server that ignores range requests is read from the start and `offset` bytes dropped."""
+    fs = filesystem(location)
+    file = _ranged(fs, location, offset)
+    if file is not None:
+        return file
+    stream = fs.open(location, "rb", block_size=0)
+    while offset > 0:
+        dropped = stream.read(min(offset, _SKIP_CHUNK))
+        if not dropped:
+            break
+        offset -= len(dropped)
+    return stream
+
+
+def open_seekable(location: str) -> Any:
+    """`location` opened for random access (Parquet reads its footer first); from an HTTP
+    server without range requests, the whole file, read into memory."""
+    import io
+
+    fs = filesystem(location)
+    # Probe at the end: a file smaller than one block would pass a probe at the start.
+    file = _ranged(fs, location, max(fs.size(location) - 1, 0))
+    if file is not None:
+        file.seek(0)
+        return file
+    return io.BytesIO(fs.cat_file(location))
+
+
+def _ranged(fs: Any, location: str, offset: int) -> Any:
+    """The file opened and positioned at `offset` if its server reads ranges, else None."""
+    file = fs.open(location, "rb")
+    try:
+        file.seek(offset)
+        file.read(1)  # an HTTP server without range support fails here, not at open
+        file.seek(offset)
+        return file
+    except ValueError:
+        file.close()
+        return None

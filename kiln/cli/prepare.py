@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from kiln.cli.common import docs
 from kiln.errors import KilnError
 
@@ -66,7 +69,55 @@ def add_parsers(subcommand) -> None:
     prepare.add_argument(
         "--overwrite", action="store_true", help="replace an existing output directory"
     )
+    prepare.add_argument(
+        "--part",
+        type=int,
+        metavar="I",
+        help="this process's part, 0 .. N - 1, of a run split over --parts N processes "
+        "(default: RANK under torchrun, the task's place in a SLURM array)",
+    )
+    prepare.add_argument(
+        "--parts",
+        type=int,
+        metavar="N",
+        help="split the run over N processes writing one dataset, identical to one process's "
+        "(default: WORLD_SIZE under torchrun, SLURM_ARRAY_TASK_COUNT in a SLURM array, else 1)",
+    )
+    prepare.add_argument(
+        "--assemble",
+        action="store_true",
+        help="assemble OUTPUT from its written parts (needed only if the last part was killed "
+        "while assembling)",
+    )
     prepare.set_defaults(run=cmd_prepare)
+
+
+def part_and_parts(part: int | None, parts: int | None) -> tuple[int, int, str]:
+    """(part, parts, where they came from): the flags, else torchrun's RANK / WORLD_SIZE, else
+    a SLURM array's task id (counted from its first) and task count, else one process."""
+    env = os.environ
+    if parts is not None:
+        if part is None and parts > 1:
+            raise KilnError(f"--parts {parts} needs --part I (0 .. {parts - 1}) for this process")
+        return part or 0, parts, "--part/--parts"
+    if part is not None:
+        raise KilnError("--part needs --parts N, the number of parts")
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), "RANK/WORLD_SIZE"
+    if "SLURM_ARRAY_TASK_COUNT" in env and "SLURM_ARRAY_TASK_ID" in env:
+        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        return (
+            int(env["SLURM_ARRAY_TASK_ID"]) - first,
+            int(env["SLURM_ARRAY_TASK_COUNT"]),
+            "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT",
+        )
+    return 0, 1, "one process"
+
+
+def default_workers(parts: int) -> int | None:
+    """Tokenizer processes per part: torchrun's processes on one machine share its CPUs."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if parts > 1 else 1
+    return max(1, (os.cpu_count() or 1) // local) if local > 1 else None
 
 
 def cmd_prepare(args) -> int:
@@ -75,6 +126,8 @@ def cmd_prepare(args) -> int:
     from kiln.data.shards import DEFAULT_SHARD_TOKENS
 
     tokenizer_given = args.tokenizer is not None or args.train_tokenizer is not None
+    if args.assemble:
+        return cmd_assemble(args)
     if args.demo:
         if args.input or tokenizer_given:
             raise KilnError(
@@ -97,6 +150,10 @@ def cmd_prepare(args) -> int:
         raise KilnError(
             f"kiln prepare needs {', '.join(missing)} (or --demo for the built-in corpus)"
         )
+    part, parts, origin = part_and_parts(args.part, args.parts)
+    if parts > 1:
+        print(f"prepare: part {part} of {parts} (from {origin})", file=sys.stderr)
+    workers = args.num_workers if args.num_workers is not None else default_workers(parts)
     path = prepare_dataset(
         args.input,
         args.tokenizer,
@@ -106,11 +163,26 @@ def cmd_prepare(args) -> int:
         train_tokenizer=args.train_tokenizer,
         val_fraction=args.val_fraction,
         val_documents=args.val_documents,
-        num_workers=args.num_workers,
+        num_workers=workers,
         overwrite=args.overwrite,
         shard_tokens=DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
+        part=part,
+        parts=parts,
     )
+    if not (path / "index.json").is_file():
+        print(f"part {part} of {parts} written; the last part to finish assembles {path}")
+        return 0
     print(f"dataset ready at {path}")
     if args.val_fraction is not None or args.val_documents is not None:
         print(f"validation split at {path / 'val'}")
+    return 0
+
+
+def cmd_assemble(args) -> int:
+    from kiln.data.prepare_parts import assemble_dataset
+
+    if not args.output:
+        raise KilnError("kiln prepare --assemble needs --output, the folder the parts wrote to")
+    path = assemble_dataset(args.output)
+    print(f"dataset ready at {path}")
     return 0

@@ -1,19 +1,21 @@
 """What `kiln prepare` reads: inputs as the user names them (files, folders, globs, saved or
-cached Hugging Face datasets) expanded into sources, and the documents of each source in order."""
+cached Hugging Face datasets, URLs) expanded into sources, and what each source is, precisely
+enough to tell when it changes."""
 
 from __future__ import annotations
 
 import glob
-import json
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlparse
 
-from kiln.data.hf_datasets import HF_PREFIX, check_text_column, dataset_texts, open_hf_dataset
+from kiln.data.hf_datasets import HF_PREFIX, open_hf_dataset
 from kiln.errors import KilnError
+from kiln.remote import change_fields, filesystem, is_url, protocol, reach_error
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 GLOB_CHARS = "*?["
@@ -25,7 +27,7 @@ class InputSource:
     by `save_to_disk`, or `hf:NAME[:CONFIG]` in the local cache)."""
 
     kind: str  # "txt", "jsonl", "parquet" or "hf"
-    location: str
+    location: str  # a local path, a URL or hf:NAME[:CONFIG]
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def resolve_inputs(inputs: Iterable[str | Path]) -> list[Input]:
 
 def source_identity(source: InputSource) -> str:
     """The same for two names of one file or dataset."""
-    if source.location.startswith(HF_PREFIX):
+    if source.location.startswith(HF_PREFIX) or is_url(source.location):
         return source.location
     return str(Path(source.location).resolve())
 
@@ -65,6 +67,8 @@ def source_identity(source: InputSource) -> str:
 def expand_input(item: str) -> list[InputSource]:
     if item.startswith(HF_PREFIX):
         return [InputSource("hf", item)]
+    if is_url(item):
+        return remote_sources(item)
     if not any(char in item for char in GLOB_CHARS):
         return path_sources(Path(item))
     matches = sorted(glob.glob(item, recursive=True))
@@ -122,6 +126,46 @@ def skipped_note(folder: Path, skipped: list[Path]) -> str:
     )
 
 
+def url_suffix(url: str) -> str:
+    """ ".jsonl" of "https://host/a/b.jsonl?version=2": the file name's, query left out."""
+    return PurePosixPath(urlparse(url).path).suffix
+
+
+def remote_sources(url: str) -> list[InputSource]:
+    """The files a URL names: itself, or for an object store, every input file under a prefix
+    or matching a glob, in sorted order."""
+    fs = filesystem(url)
+    try:
+        fs.invalidate_cache()  # listings cached by an earlier call would hide a changed object
+        if protocol(url) not in ("http", "https") and any(c in url for c in GLOB_CHARS):
+            found = [fs.unstrip_protocol(path) for path in fs.glob(url)]
+            if not found:
+                raise FileNotFoundError(f"no object matches {url}")
+        elif fs.info(url)["type"] == "directory":
+            found = [fs.unstrip_protocol(path) for path in fs.find(url)]
+        else:
+            return [remote_file(url)]
+    except KilnError:
+        raise
+    except Exception as e:
+        raise reach_error(url, e) from None
+    files = sorted(found)
+    selected = [remote_file(file) for file in files if url_suffix(file) in SUFFIXES]
+    if not selected:
+        raise KilnError(f"no input files ({', '.join(SUFFIXES)}) found at {url}")
+    return selected
+
+
+def remote_file(url: str) -> InputSource:
+    suffix = url_suffix(url)
+    if suffix not in SUFFIXES:
+        raise KilnError(
+            f"unsupported input {url}: use {', '.join(SUFFIXES)} files (a URL is read as a file, "
+            "or for an object store, a prefix or glob of such files)"
+        )
+    return InputSource(suffix[1:], url)
+
+
 def is_saved_dataset(path: Path) -> bool:
     """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
@@ -141,6 +185,8 @@ def describe_sources(inputs: list[Input], split: str) -> list[dict[str, Any]]:
                     "fingerprint": dataset._fingerprint,
                 }
             )
+        elif is_url(source.location):
+            described.append(describe_remote(source.location))
         else:
             stat = Path(source.location).stat()
             described.append(
@@ -153,90 +199,11 @@ def describe_sources(inputs: list[Input], split: str) -> list[dict[str, Any]]:
     return described
 
 
-def iter_texts(inputs: list[Input], text_key: str, split: str) -> Iterator[str]:
-    """Every non-empty document of every input, in order; an input without any is an error."""
-    for item in inputs:
-        found = False
-        for source in item.sources:
-            for text in read_source(source, text_key, split):
-                found = True
-                yield text
-        if not found:
-            raise KilnError(
-                f"input {item.argument} holds no documents (its files or texts are empty); "
-                "remove it from the inputs"
-            )
-
-
-def read_source(source: InputSource, text_key: str, split: str) -> Iterator[str]:
-    readers = {"txt": read_txt, "jsonl": read_jsonl, "parquet": read_parquet, "hf": read_hf}
+def describe_remote(url: str) -> dict[str, Any]:
+    """Size and whatever the store reports that changes with the content (ETag, modification
+    time, checksum), so that a re-run notices a replaced object."""
     try:
-        for text in readers[source.kind](source.location, text_key, split):
-            if text:
-                yield text
-    except (OSError, UnicodeDecodeError) as e:
-        raise KilnError(f"cannot read input {source.location}: {e}") from None
-
-
-def read_txt(location: str, text_key: str, split: str) -> Iterator[str]:
-    yield Path(location).read_text(encoding="utf-8")
-
-
-def read_jsonl(location: str, text_key: str, split: str) -> Iterator[str]:
-    with open(location, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{location}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KilnError(f"{where}: invalid JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise KilnError(f"{where}: expected a JSON object with a {text_key!r} field")
-            if text_key not in record:
-                raise KilnError(
-                    f"{where}: no field {text_key!r} (fields: {', '.join(record)}); "
-                    "set text_key (--text-key) to the field that holds the text"
-                )
-            text = record[text_key]
-            if text is not None and not isinstance(text, str):
-                raise KilnError(
-                    f"{where}: field {text_key!r} is a {type(text).__name__}, not a string; "
-                    "set text_key (--text-key) to the field that holds the text"
-                )
-            yield text or ""
-
-
-def read_parquet(location: str, text_key: str, split: str) -> Iterator[str]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise KilnError(
-            f"reading {location} needs pyarrow, which is not installed: pip install pyarrow"
-        ) from None
-    try:
-        parquet = pq.ParquetFile(location)
+        info = filesystem(url).info(url)
     except Exception as e:
-        raise KilnError(f"cannot read parquet file {location}: {e}") from None
-    schema = parquet.schema_arrow
-    if text_key not in schema.names:
-        raise KilnError(
-            f"{location} has no column {text_key!r} (columns: {', '.join(schema.names)}); "
-            "set text_key (--text-key) to the column that holds the text"
-        )
-    kind = schema.field(text_key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise KilnError(
-            f"{location}: column {text_key!r} holds {kind}, not text; "
-            "set text_key (--text-key) to the column that holds the text"
-        )
-    for batch in parquet.iter_batches(columns=[text_key]):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
-
-
-def read_hf(location: str, text_key: str, split: str) -> Iterator[str]:
-    dataset = open_hf_dataset(location, split)
-    check_text_column(dataset, text_key, location)
-    yield from (text for text in dataset_texts(dataset, text_key) if text is not None)
+        raise reach_error(url, e) from None
+    return {"url": url, "bytes": info["size"], **change_fields(info)}

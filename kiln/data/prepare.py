@@ -3,6 +3,7 @@ sharded dataset directory, optionally with a validation split in `<output>/val`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.inputs import Input, describe_sources, iter_texts, resolve_inputs
+from kiln.data.inputs import Input, describe_sources, resolve_inputs
 from kiln.data.shards import (
     DEFAULT_SHARD_TOKENS,
     INDEX_FILE,
@@ -24,8 +25,9 @@ from kiln.data.shards import (
     check_shard,
     read_index,
 )
-from kiln.data.tokenize import Progress, batched_texts, tokenize_batches
+from kiln.data.tokenize import Progress, tokenize_batches
 from kiln.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe_tokenizer
+from kiln.data.units import WorkUnit, keyed_batches, whole_sources
 from kiln.errors import KilnError
 
 VAL_DIR = "val"
@@ -34,9 +36,9 @@ HASH_CHUNK = 2**22
 
 @dataclass(frozen=True)
 class ValSplit:
-    """Document number i (counting from 0 over all inputs) is held out iff hash(i) < threshold:
-    whole documents, chosen by their number alone, so the split is the same whatever the number
-    of workers or the batching."""
+    """A document is held out iff the hash of its key (source number, position in the source;
+    see units.document_keys) is below threshold: whole documents, chosen by where they are in
+    the inputs alone, so the split is the same whatever the number of workers or parts."""
 
     threshold: int
 
@@ -54,6 +56,8 @@ def prepare_dataset(
     num_workers: int | None = None,
     overwrite: bool = False,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    part: int = 0,
+    parts: int = 1,
 ) -> Path:
     """Tokenize every document of `inputs` into a dataset at `output`; returns its path.
 
@@ -65,15 +69,16 @@ def prepare_dataset(
     `val_fraction` or `val_documents` holds whole documents out into `<output>/val`.
     `num_workers` tokenizer processes (default: one per CPU; 0 tokenizes in this process).
 
+    Inputs may be URLs (http(s)://, s3://, gs://: a file, or a prefix or glob in a store).
+    `parts` > 1 makes this process part `part` of a run split over `parts` processes (see
+    prepare_parts): the dataset is the same as one process makes.
+
     Output is written atomically. If `output` already holds a dataset made from the same
     inputs, tokenizer and options this is a no-op; if it holds another one, an error (unless
     `overwrite`).
     """
     output = Path(output)
     check_options(tokenizer_path, train_tokenizer, val_fraction, val_documents, shard_tokens)
-    if tokenizer_path is not None:
-        load_tokenizer(tokenizer_path)  # a bad tokenizer fails now, not after reading the inputs
-    resolved = resolve_inputs(inputs)
     options = {
         "text_key": text_key,
         "split": split,
@@ -82,18 +87,27 @@ def prepare_dataset(
         "val_fraction": val_fraction,
         "val_documents": val_documents,
     }
-    metadata = {"sources": describe_sources(resolved, split), "prepare": options}
+    if parts != 1 or part != 0:
+        from kiln.data.prepare_parts import prepare_part
+
+        return prepare_part(
+            inputs, tokenizer_path, output, options, part, parts, num_workers, overwrite
+        )
+    if tokenizer_path is not None:
+        load_tokenizer(tokenizer_path)  # a bad tokenizer fails now, not after reading the inputs
+    resolved, metadata = resolve_and_describe(inputs, options)
     if not overwrite and is_prepared(output, metadata, tokenizer_path):
         print(
             f"prepare: {output} is already prepared from these inputs and options", file=sys.stderr
         )
         return output
     check_output_free(output, overwrite)
-    val = choose_val_split(resolved, text_key, split, val_fraction, val_documents)
+    units = whole_sources(resolved, source_sizes(metadata))
+    val = choose_val_split(units, text_key, split, val_fraction, val_documents)
     with tempfile.TemporaryDirectory() as tmp:
         if train_tokenizer is not None:
             tokenizer_path = Path(tmp) / "tokenizer.json"
-            texts = training_texts(resolved, text_key, split, val)
+            texts = training_texts(units, text_key, split, val)
             print(f"prepare: training a {train_tokenizer}-token BPE tokenizer", file=sys.stderr)
             tokenizer = train_bpe_tokenizer(texts, train_tokenizer)
             note_small_vocabulary(tokenizer.get_vocab_size(), train_tokenizer)
@@ -101,6 +115,7 @@ def prepare_dataset(
         workers = (os.cpu_count() or 1) if num_workers is None else num_workers
         return write_dataset(
             resolved,
+            units,
             tokenizer_path,
             output,
             text_key=text_key,
@@ -111,6 +126,20 @@ def prepare_dataset(
             shard_tokens=shard_tokens,
             metadata=metadata,
         )
+
+
+def resolve_and_describe(
+    inputs: list[str | Path], options: dict[str, Any]
+) -> tuple[list[Input], dict[str, Any]]:
+    """The inputs expanded into sources, and the index metadata that says what they are."""
+    resolved = resolve_inputs(inputs)
+    sources = describe_sources(resolved, options["split"])
+    return resolved, {"sources": sources, "prepare": options}
+
+
+def source_sizes(metadata: dict[str, Any]) -> list[int]:
+    """Bytes of every file source (0 for a dataset, whose units are weighed by its rows)."""
+    return [source.get("bytes", 0) for source in metadata["sources"]]
 
 
 def note_small_vocabulary(learned: int, asked: int) -> None:
@@ -180,7 +209,7 @@ def check_complete(path: Path, index: dict[str, Any]) -> None:
 
 
 def choose_val_split(
-    inputs: list[Input],
+    units: list[WorkUnit],
     text_key: str,
     split: str,
     val_fraction: float | None,
@@ -190,57 +219,52 @@ def choose_val_split(
         return ValSplit(int(val_fraction * 2**64))
     if val_documents is None:
         return None
-    print("prepare: counting documents to pick the validation split", file=sys.stderr)
-    total = sum(1 for _ in iter_texts(inputs, text_key, split))
-    if val_documents >= total:
+    print("prepare: reading every document to pick the validation split", file=sys.stderr)
+    counts = [0] * (max((unit.input_index for unit in units), default=0) + 1)
+    keys = (keys for keys, _ in keyed_batches(units, text_key, split, counts))
+    bound = smallest_hashes_bound(val_documents, keys)
+    if val_documents >= sum(counts):
         raise KilnError(
             f"--val-documents {val_documents} leaves nothing to train on: the inputs hold "
-            f"{total} documents; ask for fewer"
+            f"{sum(counts)} documents; ask for fewer"
         )
-    return ValSplit(smallest_hashes_bound(val_documents, total))
+    return ValSplit(bound)
 
 
-def smallest_hashes_bound(count: int, total: int) -> int:
-    """A threshold that exactly `count` of the hashes of 0 .. total - 1 are below."""
+def smallest_hashes_bound(count: int, batches: Iterator[np.ndarray]) -> int:
+    """A threshold that exactly `count` of the document keys in `batches` are below (64-bit
+    hashes of distinct keys: equal ones are too rare to matter)."""
     smallest = np.empty(0, dtype=np.uint64)
-    # In chunks, keeping only the `count` smallest, so memory does not grow with the corpus.
-    for start in range(0, total, HASH_CHUNK):
-        hashes = ordinal_hashes(np.arange(start, min(start + HASH_CHUNK, total), dtype=np.uint64))
-        smallest = np.concatenate([smallest, hashes])
-        if len(smallest) > count:
+    # Keeping only the `count` smallest, so memory does not grow with the corpus.
+    for keys in batches:
+        smallest = np.concatenate([smallest, keys])
+        if len(smallest) > max(HASH_CHUNK, 2 * count):
             smallest = np.partition(smallest, count - 1)[:count]
-    # The hash is a bijection, so no other number shares the largest kept value.
-    return int(smallest.max()) + 1
-
-
-def ordinal_hashes(ordinals: np.ndarray) -> np.ndarray:
-    """splitmix64 of uint64 numbers: consecutive numbers get unrelated, uniform hashes."""
-    z = ordinals + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    if len(smallest) > count:
+        smallest = np.partition(smallest, count - 1)[:count]
+    return int(smallest.max()) + 1 if len(smallest) else 0
 
 
 def training_texts(
-    inputs: list[Input], text_key: str, split: str, val: ValSplit | None
+    units: list[WorkUnit], text_key: str, split: str, val: ValSplit | None
 ) -> Iterator[str]:
     """The documents that are not held out, streamed: a tokenizer is trained on these only."""
-    start = 0
-    for batch in batched_texts(iter_texts(inputs, text_key, split)):
-        held_out = val_mask(val, start, len(batch))
+    counts = [0] * (max((unit.input_index for unit in units), default=0) + 1)
+    for keys, batch in keyed_batches(units, text_key, split, counts):
+        held_out = val_mask(val, keys)
         yield from (text for text, out in zip(batch, held_out, strict=True) if not out)
-        start += len(batch)
 
 
-def val_mask(val: ValSplit | None, start: int, count: int) -> np.ndarray:
-    """Which of documents start .. start + count - 1 are held out for validation."""
+def val_mask(val: ValSplit | None, keys: np.ndarray) -> np.ndarray:
+    """Which of the documents with these keys are held out for validation."""
     if val is None:
-        return np.zeros(count, dtype=bool)
-    return ordinal_hashes(np.arange(start, start + count, dtype=np.uint64)) < val.threshold
+        return np.zeros(len(keys), dtype=bool)
+    return keys < np.uint64(min(val.threshold, 2**64 - 1))
 
 
 def write_dataset(
     inputs: list[Input],
+    units: list[WorkUnit],
     tokenizer_path: str | Path,
     output: Path,
     *,
@@ -252,52 +276,94 @@ def write_dataset(
     shard_tokens: int,
     metadata: dict[str, Any],
 ) -> Path:
-    batches = batched_texts(iter_texts(inputs, text_key, split))
     with ShardWriter(
         output, tokenizer_path, shard_tokens=shard_tokens, overwrite=overwrite, metadata=metadata
     ) as writer:
-        # Inside the staging folder, so the split is published with the dataset, in one rename.
-        val_writer = (
-            ShardWriter(writer.staging_dir / VAL_DIR, tokenizer_path, shard_tokens=shard_tokens)
-            if val
-            else contextlib.nullcontext()
-        )
-        with val_writer as held_out:
-            tokenized = tokenize_batches(batches, tokenizer_path, writer.dtype, workers)
-            total = route_documents(tokenized, writer, held_out, val)
-            check_split_sizes(writer, held_out, total)
-        if held_out is not None:
-            writer.metadata.update(val=VAL_DIR, num_val_documents=held_out.num_documents)
+        write_units(units, len(inputs), writer, val, text_key, split, workers, inputs=inputs)
     return writer.path
+
+
+def write_units(
+    units: list[WorkUnit],
+    num_inputs: int,
+    writer: ShardWriter,
+    val: ValSplit | None,
+    text_key: str,
+    split: str,
+    workers: int,
+    *,
+    val_writer_type: type[ShardWriter] = ShardWriter,
+    inputs: list[Input] | None = None,
+) -> list[int]:
+    """Tokenize the documents of `units` into `writer` and, held out, a validation split in its
+    staging folder; returns the number of documents of each input. Given all the `inputs`
+    (a whole dataset, not a part), check that neither they nor the splits are empty."""
+    counts = [0] * num_inputs
+    keys_in_flight: collections.deque[np.ndarray] = collections.deque()
+
+    def texts() -> Iterator[list[str]]:
+        # The tokenizer gets the texts; their keys wait here, in the same order.
+        for keys, batch in keyed_batches(units, text_key, split, counts):
+            keys_in_flight.append(keys)
+            yield batch
+
+    # Inside the staging folder, so the split is published with the dataset, in one rename.
+    val_writer = (
+        val_writer_type(
+            writer.staging_dir / VAL_DIR, writer.tokenizer_path, shard_tokens=writer.shard_tokens
+        )
+        if val
+        else contextlib.nullcontext()
+    )
+    with val_writer as held_out:
+        tokenized = tokenize_batches(texts(), writer.tokenizer_path, writer.dtype, workers)
+        route_documents(tokenized, keys_in_flight, writer, held_out, val)
+        if inputs is not None:  # before the splits are closed, which refuses an empty one
+            check_inputs_have_documents([item.argument for item in inputs], counts)
+            check_split_sizes(writer.num_documents, held_out and held_out.num_documents)
+    if held_out is not None:
+        writer.metadata.update(val=VAL_DIR, num_val_documents=held_out.num_documents)
+    return counts
 
 
 def route_documents(
     tokenized: Iterator[tuple[list[np.ndarray], int]],
+    keys_in_flight: collections.deque[np.ndarray],
     writer: ShardWriter,
     held_out: ShardWriter | None,
     val: ValSplit | None,
-) -> int:
-    """Write each document to the training or the validation split; returns their number."""
+) -> None:
+    """Write each document to the training or the validation split."""
     progress = Progress()
     total = tokens = 0
     for documents, num_bytes in tokenized:
-        to_val = val_mask(val, total, len(documents))
+        to_val = val_mask(val, keys_in_flight.popleft())
         for document, goes_to_val in zip(documents, to_val, strict=True):
             (held_out if goes_to_val else writer).add_document(document)
             tokens += len(document) + 1
         total += len(documents)
         progress.update(total, tokens, num_bytes)
     progress.finish(total, tokens)
-    return total
 
 
-def check_split_sizes(writer: ShardWriter, held_out: ShardWriter | None, total: int) -> None:
-    if held_out is not None and held_out.num_documents == 0:
+def check_inputs_have_documents(arguments: list[str], counts: list[int]) -> None:
+    """An input without a single document is an error: most likely a wrong file or pattern."""
+    for argument, count in zip(arguments, counts, strict=True):
+        if count == 0:
+            raise KilnError(
+                f"input {argument} holds no documents (its files or texts are empty); "
+                "remove it from the inputs"
+            )
+
+
+def check_split_sizes(train: int, val: int | None) -> None:
+    """Neither split may be empty."""
+    if val == 0:
         raise KilnError(
-            f"the validation split is empty: --val-fraction picked none of the {total} "
+            f"the validation split is empty: --val-fraction picked none of the {train} "
             "documents; use a larger fraction or --val-documents"
         )
-    if writer.num_documents == 0:
+    if train == 0:
         raise KilnError(
-            f"all {total} documents went to the validation split; use a smaller --val-fraction"
+            f"all {val} documents went to the validation split; use a smaller --val-fraction"
         )
