@@ -28,6 +28,12 @@ def protocol(location: str) -> str:
     return match.group(1).lower() if match else "file"
 
 
+def join(url: str, *names: str) -> str:
+    """`url` with `names` appended as path parts ("s3://b/x/" + "val" -> "s3://b/x/val"); unlike
+    Path, keeps the "//" after the scheme."""
+    return "/".join([url.rstrip("/"), *(name.strip("/") for name in names)])
+
+
 def filesystem(location: str) -> Any:
     """The fsspec filesystem serving `location`; a missing backend package is a KilnError."""
     import fsspec
@@ -46,6 +52,9 @@ def filesystem(location: str) -> Any:
 def reach_error(location: str, error: BaseException) -> KilnError:
     """One message for a URL that could not be reached or read: missing credentials, an
     unreachable host or bucket, or a missing object, saying which and what to check."""
+    # fsspec's HTTP filesystem reports every failure as FileNotFoundError, from the real one.
+    while isinstance(error, FileNotFoundError) and error.__cause__ is not None:
+        error = error.__cause__
     text = f"{type(error).__name__}: {error}".strip()
     lowered = text.lower()
     if "credential" in lowered or "accessdenied" in lowered or "forbidden" in lowered:

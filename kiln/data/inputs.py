@@ -134,10 +134,12 @@ def url_suffix(url: str) -> str:
 def remote_sources(url: str) -> list[InputSource]:
     """The files a URL names: itself, or for an object store, every input file under a prefix
     or matching a glob, in sorted order."""
+    if protocol(url) in ("http", "https"):
+        return [remote_file(url)]  # HTTP cannot list folders; describe_sources checks it is there
     fs = filesystem(url)
     try:
         fs.invalidate_cache()  # listings cached by an earlier call would hide a changed object
-        if protocol(url) not in ("http", "https") and any(c in url for c in GLOB_CHARS):
+        if any(char in url for char in GLOB_CHARS):
             found = [fs.unstrip_protocol(path) for path in fs.glob(url)]
             if not found:
                 raise FileNotFoundError(f"no object matches {url}")
