@@ -1,13 +1,14 @@
-"""Memory-mapped token dataset: all shards read as one stream, cut into fixed-length samples."""
+"""Token dataset: all shards read as one stream, cut into fixed-length samples; the shards are
+memory-mapped local files or, for a URL, read with one byte-range request per sample
+(`remote_shards.py`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from kiln.data.shards import TOKENIZER_FILE, check_shard, read_index
+from kiln.data.remote_shards import open_shards
 from kiln.errors import KilnError
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -23,14 +24,17 @@ class TokenDataset:
     def __init__(self, path: str | Path, seq_len: int) -> None:
         if seq_len <= 0:
             raise KilnError(f"seq_len must be positive, got {seq_len}")
-        self.path = Path(path)
+        self._files = open_shards(path)
+        # A local Path, or the URL as given (Path would fold its "//").
+        self.path: Path | str = self._files.path
         self.seq_len = seq_len
-        self._index = read_index(self.path)
+        self._index = self._files.read_index()
         self._check_shards()
+        self._dtype = np.dtype(self._index["dtype"]).newbyteorder("<")
+        self._tokenizer = self._files.tokenizer(self._index["tokenizer_sha256"])
         sizes = [shard["num_tokens"] for shard in self._index["shards"]]
         # Global position of each shard's first token, plus the end of the stream.
         self._shard_starts = np.cumsum([0, *sizes], dtype=np.int64)
-        self._memmaps: list[np.memmap] | None = None
         if len(self) == 0:
             raise KilnError(
                 f"dataset {self.path} has {self.num_tokens} tokens, too few for one sample of "
@@ -47,7 +51,8 @@ class TokenDataset:
 
     @property
     def tokenizer_path(self) -> Path:
-        return self.path / TOKENIZER_FILE
+        """The tokenizer the dataset was made with, as a local file (a remote one is copied)."""
+        return self._tokenizer
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +75,6 @@ class TokenDataset:
         """Tokens [start, end) of the concatenated stream as int64."""
         if not 0 <= start <= end <= self.num_tokens:
             raise IndexError(f"token range [{start}, {end}) outside [0, {self.num_tokens})")
-        memmaps = self._open()
         out = np.empty(end - start, dtype=np.int64)
         shard = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
         pos = start
@@ -78,7 +82,9 @@ class TokenDataset:
         while pos < end:
             shard_start = int(self._shard_starts[shard])
             stop = min(end, int(self._shard_starts[shard + 1]))
-            out[pos - start : stop - start] = memmaps[shard][pos - shard_start : stop - shard_start]
+            file = self._index["shards"][shard]["file"]
+            tokens = self._files.tokens(file, self._dtype, pos - shard_start, stop - shard_start)
+            out[pos - start : stop - start] = tokens
             pos = stop
             shard += 1
         return out
@@ -86,25 +92,10 @@ class TokenDataset:
     def document_starts(self) -> np.ndarray:
         """Global stream offset of every document's first token, as uint64."""
         parts = [
-            np.load(self.path / shard["docs_file"]) + np.uint64(offset)
+            self._files.load_array(shard["docs_file"]) + np.uint64(offset)
             for shard, offset in zip(self._index["shards"], self._shard_starts, strict=False)
         ]
         return np.concatenate(parts).astype(np.uint64)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Drop the memmaps so DataLoader workers reopen the files instead of pickling their data.
-        state = self.__dict__.copy()
-        state["_memmaps"] = None
-        return state
-
-    def _open(self) -> list[np.memmap]:
-        if self._memmaps is None:
-            dtype = np.dtype(self._index["dtype"]).newbyteorder("<")
-            self._memmaps = [
-                np.memmap(self.path / shard["file"], dtype=dtype, mode="r")
-                for shard in self._index["shards"]
-            ]
-        return self._memmaps
 
     def _check_shards(self) -> None:
         """Catch truncated or mismatched files now rather than as garbage tokens mid-training."""
@@ -114,9 +105,7 @@ class TokenDataset:
             raise KilnError(f"dataset {self.path} has unknown dtype {index['dtype']!r}; {fix}")
         if not index["shards"]:
             raise KilnError(f"dataset {self.path} has no shards; {fix}")
-        dtype = np.dtype(index["dtype"]).newbyteorder("<")
-        for shard in index["shards"]:
-            check_shard(self.path, shard, dtype, index["vocab_size"])
+        self._files.check_files(index, np.dtype(index["dtype"]).newbyteorder("<"))
         if sum(shard["num_tokens"] for shard in index["shards"]) != index["num_tokens"]:
             raise KilnError(
                 f"dataset {self.path}: shard token counts do not add up to num_tokens; {fix}"

@@ -248,22 +248,29 @@ def read_index(path: str | Path) -> dict[str, Any]:
             f"`kiln prepare --input ... --tokenizer ... --output {path}`"
         )
     try:
-        index = json.loads(index_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = index_path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
         raise KilnError(f"{index_path} is unreadable or corrupt ({e}); {REMAKE}") from None
+    return parse_index(text, where=str(index_path), dataset=str(path))
+
+
+def parse_index(text: str | bytes, *, where: str, dataset: str) -> dict[str, Any]:
+    """Parse and check the text of an `index.json` (`where` names it in messages)."""
+    try:
+        index = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KilnError(f"{where} is unreadable or corrupt ({e}); {REMAKE}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
-        raise KilnError(f"{index_path} is not a kiln dataset index; {REMAKE}")
+        raise KilnError(f"{where} is not a kiln dataset index; {REMAKE}")
     if index.get("version") != FORMAT_VERSION:
         raise KilnError(
-            f"{path} uses dataset format version {index.get('version')}, this kiln reads "
+            f"{dataset} uses dataset format version {index.get('version')}, this kiln reads "
             f"version {FORMAT_VERSION}; {REMAKE}"
         )
     missing = [key for key in INDEX_KEYS if key not in index]
     missing += [key for shard in index.get("shards", []) for key in SHARD_KEYS if key not in shard]
     if missing:
-        raise KilnError(
-            f"{index_path} is corrupt (missing {', '.join(sorted(set(missing)))}); {REMAKE}"
-        )
+        raise KilnError(f"{where} is corrupt (missing {', '.join(sorted(set(missing)))}); {REMAKE}")
     return index
 
 

@@ -9,8 +9,10 @@ from kiln.config.sections import DataConfig, DatasetSource, JobConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.demo_corpus import ensure_demo_corpus
 from kiln.data.loader import ShuffledSamples, Source
+from kiln.data.remote_shards import remote_dataset_exists
 from kiln.data.tokenizer import tokenizer_hash
 from kiln.errors import ConfigError
+from kiln.remote import is_url, join
 
 
 def dataset_entries(cfg: DataConfig) -> list[DatasetSource]:
@@ -104,10 +106,10 @@ def open_eval_data(
     `kiln prepare` wrote next to a single prepared dataset. It must be tokenized like the
     training data (`tokenizer_path`), or its loss would mean nothing."""
     entries = dataset_entries(data)
-    val = Path(entries[0].path) / "val"
+    val = _val_split(entries[0]) if len(entries) == 1 else None
     if path:
         dataset = TokenDataset(path, seq_len)
-    elif len(entries) == 1 and entries[0].source in ("prepared", "demo") and val.is_dir():
+    elif val is not None:
         dataset = TokenDataset(val, seq_len)
     else:
         raise ConfigError(
@@ -146,12 +148,27 @@ def ensure_local_data(cfg: DataConfig, cache_dir: Path) -> None:
             prepare_hf_cache(entry, tokenizer_path=cfg.tokenizer, cache_dir=cache_dir)
 
 
-def _prepared_path(entry: DatasetSource, cfg: DataConfig, cache_dir: Path) -> Path:
+def _prepared_path(entry: DatasetSource, cfg: DataConfig, cache_dir: Path) -> Path | str:
     if entry.source == "hf":
         from kiln.data.hf_source import hf_cache_path
 
         return hf_cache_path(entry, tokenizer_path=cfg.tokenizer, cache_dir=cache_dir)
-    return Path(entry.path)
+    # A URL stays a string: Path("s3://b/x") would fold the "//" into "s3:/b/x".
+    return entry.path if is_url(entry.path) else Path(entry.path)
+
+
+def _val_split(entry: DatasetSource) -> Path | str | None:
+    return validation_split(entry.path) if entry.source in ("prepared", "demo") else None
+
+
+def validation_split(path: str) -> Path | str | None:
+    """The validation split `kiln prepare` wrote beside the prepared dataset at `path` (a
+    folder or a URL), if there is one."""
+    if is_url(path):
+        val = join(path, "val")
+        return val if remote_dataset_exists(val) else None
+    local = Path(path) / "val"
+    return local if local.is_dir() else None
 
 
 def _check_vocab(vocab_size: int, model_vocab_size: int, *, where: str | Path) -> None:

@@ -20,12 +20,14 @@ from kiln.checkpoint import find_tokenizer, load_checkpoint, read_train_state, r
 from kiln.config import JobConfig, ModelConfig, TrainConfig, config_from_dict, read_toml
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import ShuffledSamples, Source
+from kiln.data.sources import validation_split
 from kiln.errors import ConfigError, KilnError
 from kiln.model import build_model, materialize
 from kiln.parallel.agree import decide_on_main
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.device import pick_device
 from kiln.parallel.mesh import ParallelContext, init_parallel
+from kiln.remote import is_url
 from kiln.train.step import TrainStep
 
 # What the evaluation keeps of the checkpoint's config: how the model computes. The layout, the
@@ -187,10 +189,9 @@ def _own_held_out_data(raw: dict[str, Any]) -> str:
     split `kiln prepare` wrote beside its (single) prepared dataset."""
     path = raw.get("eval", {}).get("path") or ""
     data = raw.get("data", {})
-    val = Path(data.get("path", "")) / "val"
-    if not path and not data.get("datasets") and data.get("path") and val.is_dir():
-        path = str(val)
-    if not path or not Path(path).is_dir():
+    if not path and not data.get("datasets") and data.get("path"):
+        path = str(validation_split(data["path"]) or "")
+    if not path or not (is_url(path) or Path(path).is_dir()):  # a URL is checked on opening
         raise ConfigError(
             "nothing to evaluate: pass --data (a prepared dataset, or text files) or --tasks; "
             "the run that wrote the checkpoint has no held-out data here (eval.path, or the "

@@ -7,6 +7,7 @@ import functools
 import http.server
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,17 +24,51 @@ S3_ENV = {
 }
 
 
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _RangeHandler(_QuietHandler):
+    """Also answers `Range: bytes=a-b` with 206 and just those bytes, as object stores and most
+    web servers do (Python's own handler sends the whole file)."""
+
+    _length: int | None = None
+
+    def send_head(self):
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        path = self.translate_path(self.path)
+        if match is None or not os.path.isfile(path):
+            return super().send_head()
+        size = os.path.getsize(path)
+        first, last = int(match[1]), min(int(match[2] or size - 1), size - 1)
+        if first >= size:
+            self.send_error(416, "Requested Range Not Satisfiable")
+            return None
+        file = open(path, "rb")  # noqa: SIM115 - closed by the handler after copyfile
+        file.seek(first)
+        self._length = last - first + 1
+        self.send_response(206)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+        self.send_header("Content-Length", str(self._length))
+        self.end_headers()
+        return file
+
+    def copyfile(self, source, outputfile) -> None:
+        if self._length is None:
+            return super().copyfile(source, outputfile)
+        outputfile.write(source.read(self._length))
+
+
 @contextmanager
-def http_server(root: Path) -> Iterator[str]:
-    """Serve `root` read-only over HTTP on 127.0.0.1; yields the base URL (no trailing slash)."""
-
-    class QuietHandler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-    handler = functools.partial(QuietHandler, directory=str(root))
+def http_server(root: Path, *, ranges: bool = False) -> Iterator[str]:
+    """Serve `root` read-only over HTTP on 127.0.0.1; yields the base URL (no trailing slash).
+    With `ranges`, byte-range requests get just their bytes; without, the whole file."""
+    handler = functools.partial(_RangeHandler if ranges else _QuietHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll: shutdown() waits up to one poll interval (0.5 s by default).
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_port}"
