@@ -10,6 +10,7 @@ in it) is saved in checkpoints, and a resume skips straight to that document.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections import deque
@@ -22,6 +23,7 @@ import numpy as np
 from kiln.config.sections import DatasetSource
 from kiln.data.hf_datasets import check_text_column, dataset_texts, open_hf_dataset
 from kiln.data.shards import ShardWriter
+from kiln.data.stream_share import resume_positions
 from kiln.data.tokenize import batched_texts, tokenize_batches
 from kiln.data.tokenizer import encode_ids, eos_id, load_tokenizer, tokenizer_hash
 from kiln.errors import KilnError
@@ -66,77 +68,104 @@ def prepare_hf_cache(entry: DatasetSource, *, tokenizer_path: str, cache_dir: Pa
 
 
 class StreamingSamples:
-    """Sample k = stream tokens [k·seq_len, k·seq_len + seq_len + 1) of the documents in order,
-    each followed by the end-of-document token. Read strictly in order (`take`)."""
+    """Data rank `data_rank` of `data_ranks`: its share of the dataset's rows (`stream_share.py`),
+    tokenized in order, each document followed by the end-of-document token, packed into windows
+    of seq_len + 1 tokens that overlap by one. Only the share is read and tokenized."""
 
     streaming = True
 
-    def __init__(self, entry: DatasetSource, *, tokenizer_path: str, seq_len: int):
+    def __init__(
+        self,
+        entry: DatasetSource,
+        *,
+        tokenizer_path: str,
+        seq_len: int,
+        data_rank: int = 0,
+        data_ranks: int = 1,
+    ):
         self.entry, self.seq_len = entry, seq_len
+        self.data_rank, self.data_ranks = data_rank, data_ranks
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.eos_id = eos_id(self.tokenizer)
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.seek(None)
 
-    def seek(self, state: dict[str, int] | None) -> None:
-        """Continue at a `position()`; None: at the start."""
-        state = state or {"sample": 0, "document": 0, "offset": 0}
-        self._sample, self._document, self._offset = (
-            state["sample"],
-            state["document"],
-            state["offset"],
-        )
-        # Documents not yet fully consumed; the first starts the next sample at self._offset.
-        self._pending: deque[np.ndarray] = deque()
-        self._documents = self._read_documents(start=self._document)
+    def seek(self, saved: dict[str, Any] | None) -> str | None:
+        """Continue a `gathered_state` of every rank (None: at the start); returns what was done
+        when it was saved by another number of data ranks."""
+        self.layout, positions, note = resume_positions(saved, self.data_ranks)
+        position = positions[self.data_rank]
+        self._sample = position.sample
+        # Documents not fully read yet, as (row, first token held, tokens from there): the first
+        # starts the next window at self._offset.
+        self._pending: deque[tuple[int, int, np.ndarray]] = deque()
+        self._offset, self._saved = 0, position
+        self._documents = self._read_documents(first=position.document, offset=position.offset)
+        self._fill(1)
+        return note
 
-    def position(self) -> dict[str, int]:
-        return {"sample": self._sample, "document": self._document, "offset": self._offset}
+    def position(self) -> dict[str, Any]:
+        """This rank's place: the next row not fully read, the tokens of it read, windows taken."""
+        if not self._pending:  # the share was read to its end before this run
+            return {**self._saved.__dict__, "sample": self._sample}
+        row, base, _ = self._pending[0]
+        return {"document": row, "offset": base + self._offset, "sample": self._sample}
 
-    def take(self, k: int) -> np.ndarray:
-        """Sample k; samples before it that were not taken are read and dropped."""
-        assert k >= self._sample, f"streaming samples are read in order ({k} < {self._sample})"
-        while self._sample < k:
-            self._next_window()
-        return self._next_window()
+    def gathered_state(self, positions: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a checkpoint keeps: the layout and every data rank's `position()`, in rank order."""
+        return {**self.layout.to_state(), "positions": positions}
 
-    def _next_window(self) -> np.ndarray:
+    def take(self) -> np.ndarray:
+        """This rank's next window."""
         need = self.seq_len + 1
-        while sum(len(d) for d in self._pending) - self._offset < need:
-            self._pending.append(self._next_document())
-        window = np.concatenate(list(self._pending))[self._offset : self._offset + need]
+        self._fill(need)
+        window = np.concatenate([tokens for _, _, tokens in self._pending])
+        window = window[self._offset : self._offset + need]
         self._offset += self.seq_len
-        while self._offset >= len(self._pending[0]):
-            self._offset -= len(self._pending.popleft())
-            self._document += 1
+        # The window left a token of the last document it touched: something stays pending.
+        while self._offset >= len(self._pending[0][2]):
+            self._offset -= len(self._pending.popleft()[2])
         self._sample += 1
         return window.astype(np.int64)
 
-    def _next_document(self) -> np.ndarray:
-        try:
-            return next(self._documents)
-        except StopIteration:
-            raise KilnError(
-                f"streaming dataset {self.entry.path} ran out after {self._sample} samples; "
-                "use streaming = false (eager data repeats in new epochs) or more data"
-            ) from None
+    def _fill(self, need: int) -> None:
+        """Read documents until the pending ones hold `need` tokens past the offset."""
+        while sum(len(t) for _, _, t in self._pending) - self._offset < need:
+            try:
+                self._pending.append(next(self._documents))
+            except StopIteration:
+                if need == 1:
+                    return  # all read: the next take() reports the end
+                raise KilnError(
+                    f"streaming dataset {self.entry.path} ran out on data rank {self.data_rank} "
+                    f"after {self._sample} samples; use streaming = false (eager data repeats "
+                    "in new epochs) or more data"
+                ) from None
 
-    def _read_documents(self, *, start: int) -> Iterator[np.ndarray]:
+    def _read_documents(self, *, first: int, offset: int) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(row, first token kept, tokens) of this rank's share from row `first` (whose first
+        `offset` tokens were read) on. Empty rows are documents of no tokens (not even an EOS,
+        as `kiln prepare` drops them), so document numbers are the dataset's row numbers."""
         dataset = open_hf_dataset(self.entry.path, self.entry.split)
         check_text_column(dataset, self.entry.text_key, self.entry.path)
-        batch: list[str] = []
-        # Empty rows stay, as documents of no tokens (not even an EOS, as `kiln prepare` drops
-        # them), so document numbers are the dataset's row numbers.
-        for text in dataset_texts(dataset, self.entry.text_key, start=start):
-            batch.append(text or "")
-            if len(batch) == ENCODE_BATCH:
-                yield from self._encode(batch)
-                batch = []
-        yield from self._encode(batch)
+        rows = dataset.select_columns([self.entry.text_key])
+        share = self.layout.share(self.data_rank, first=first)
+        starts = {first: offset}
+        while True:
+            chunk = list(itertools.islice(share, ENCODE_BATCH))
+            chunk = [(row, starts.pop(row, read)) for row, read in chunk if row < len(rows)]
+            if not chunk:
+                return
+            texts = [text or "" for text in rows[[row for row, _ in chunk]][self.entry.text_key]]
+            for (row, read), tokens in zip(chunk, self._encode(texts), strict=True):
+                yield row, read, tokens[read:]
 
-    def _encode(self, texts: list[str]) -> Iterator[np.ndarray]:
-        for text, ids in zip(texts, encode_ids(self.tokenizer, texts), strict=True):
-            yield np.array([*ids, self.eos_id] if text else [], dtype=np.int64)
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        ids = encode_ids(self.tokenizer, texts)
+        return [
+            np.array([*tokens, self.eos_id] if text else [], dtype=np.int64)
+            for text, tokens in zip(texts, ids, strict=True)
+        ]
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a streaming source is read in the training process only")

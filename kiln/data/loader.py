@@ -7,7 +7,7 @@ dp=1/accum=4 put every sample into the same optimizer step.
 
 Each global sample picks a dataset of the mixture (`mixture.py`); its index within that dataset
 is the dataset's running count, which the loader state carries. The main process plans each step
-(cheap integer work, plus reading any streaming source, which is sequential); worker processes
+(cheap integer work, plus reading this rank's share of any streaming source, in order); worker processes
 read the planned samples from the memory-mapped shards, a few steps ahead. A step's plan carries
 the state after it, so `state_dict()` is the position after the last step handed out however
 far the workers have read ahead, and a different number of data ranks resumes at the same
@@ -17,7 +17,7 @@ global sample.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from kiln.data.mixture import choose_datasets, probabilities_at, within_dataset_
 from kiln.data.permutation import permute
 from kiln.data.workers import detach_loader_worker
 from kiln.errors import KilnError
+from kiln.log import info
 from kiln.tokens import IGNORE_INDEX
 
 # The sample order's name in the loader state: a checkpoint continues only under the same order.
@@ -100,6 +101,7 @@ class BatchLoader:
         num_workers: int = 0,
         prefetch_steps: int = 2,
         pin_memory: bool = False,
+        gather: Callable[[Any], list[Any]] | None = None,
     ):
         self.sources, self.cfg, self.seed = sources, cfg, seed
         self.batch_size, self.grad_accum_steps = batch_size, grad_accum_steps
@@ -109,12 +111,27 @@ class BatchLoader:
             prefetch_steps,
             pin_memory,
         )
-        self._state = {"step": 0, "samples_seen": 0, "counts": [0] * len(sources), "streams": {}}
+        # Every rank's object, in rank order (a collective over all ranks), or None in one
+        # process: streaming ranks agree on failures and save each other's positions with it.
+        self.gather = gather
+        self._state = {
+            "step": 0,
+            "samples_seen": 0,
+            "counts": [0] * len(sources),
+            "streams": {s.name: s.samples.position() for s in self._streams()},
+        }
         self._batches: Iterator[dict] | None = None
 
     @classmethod
     def for_training(
-        cls, sources: list[Source], cfg: JobConfig, *, data_ranks: int, data_rank: int, pin: bool
+        cls,
+        sources: list[Source],
+        cfg: JobConfig,
+        *,
+        data_ranks: int,
+        data_rank: int,
+        pin: bool,
+        gather: Callable[[Any], list[Any]] | None = None,
     ) -> BatchLoader:
         """The loader of a training run: its batch, seed and data settings from `cfg`."""
         return cls(
@@ -128,6 +145,7 @@ class BatchLoader:
             num_workers=cfg.data.num_workers,
             prefetch_steps=cfg.data.prefetch_steps,
             pin_memory=pin,
+            gather=gather,
         )
 
     @property
@@ -142,7 +160,7 @@ class BatchLoader:
         """This rank's micro-batches for the next optimizer step."""
         if self._batches is None:
             self._batches = iter(self._data_loader())
-        out = next(self._batches)
+        out = self._agreed(self._batches) if self._streams() else next(self._batches)
         self._state = out["state"]
         tokens, labels = torch.from_numpy(out["tokens"]), torch.from_numpy(out["labels"])
         if self.pin_memory:  # page-locked, so the copies to the GPU can overlap compute
@@ -153,13 +171,45 @@ class BatchLoader:
             sample_ids=[tuple(row) for row in out["sample_ids"]],
         )
 
+    def _streams(self) -> list[Source]:
+        return [source for source in self.sources if source.samples.streaming]
+
+    def _agreed(self, batches: Iterator[dict]) -> dict:
+        """The next step, or every rank's error when one rank's stream share ran out: each
+        rank reads its own share, so they need not run out on the same step."""
+        out, failure = None, None
+        try:
+            out = next(batches)
+        except KilnError as error:
+            failure = str(error)
+        failures = self.gather(failure) if self.gather else [failure]
+        if any(failures):
+            raise KilnError(next(f for f in failures if f))
+        return out
+
     def state_dict(self) -> dict[str, Any]:
+        """The position after the last step handed out; on every rank the same (a collective
+        when a streaming source saves every data rank's position)."""
         return {
             "samples_seen": self._state["samples_seen"],
             "data_step": self._state["step"],
             "dataset_counts": dict(zip(self._names(), self._state["counts"], strict=True)),
-            "streams": self._state["streams"],
+            "streams": self._gathered_streams(),
             "shuffle": SHUFFLE,
+        }
+
+    def _gathered_streams(self) -> dict[str, Any]:
+        """Each streaming source's layout and every data rank's position in it."""
+        if not self._streams():
+            return {}
+        mine = (self.data_rank, self._state["streams"])
+        everyone = dict(self.gather(mine) if self.gather else [mine])
+        assert sorted(everyone) == list(range(self.data_ranks)), sorted(everyone)
+        return {
+            source.name: source.samples.gathered_state(
+                [everyone[rank][source.name] for rank in range(self.data_ranks)]
+            )
+            for source in self._streams()
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -174,9 +224,11 @@ class BatchLoader:
             "counts": [int(counts.get(name, 0)) for name in self._names()],
             "streams": dict(state.get("streams", {})),
         }
-        for source in self.sources:
-            if source.samples.streaming:
-                source.samples.seek(self._state["streams"].get(source.name))
+        for source in self._streams():
+            note = source.samples.seek(self._state["streams"].get(source.name))
+            if note and self.data_rank == 0:
+                info(f"streaming dataset {source.name!r}: {note}", stdout=True)
+        self._state["streams"] = {s.name: s.samples.position() for s in self._streams()}
         self._batches = None
 
     def check_order(self, state: dict[str, Any]) -> None:
@@ -225,7 +277,7 @@ class BatchLoader:
             for m in range(self.grad_accum_steps)
             for j in range(self.batch_size)
         ]
-        streamed = self._read_streams(first, choices, within, {first + r for r in rows})
+        streamed = self._read_streams(first, choices, rows)
         after = {
             "step": state["step"] + 1,
             "samples_seen": first + n,
@@ -240,18 +292,15 @@ class BatchLoader:
         }
 
     def _read_streams(
-        self, first: int, choices: np.ndarray, within: np.ndarray, wanted: set[int]
+        self, first: int, choices: np.ndarray, rows: list[int]
     ) -> dict[int, np.ndarray]:
-        """Tokens of this rank's samples from streaming sources, by global sample index. Every
-        rank reads every streamed sample in order (keeping only its own), so all ranks' stream
-        positions agree."""
+        """Tokens of this rank's samples from streaming sources, by global sample index: each
+        rank reads the next windows of its own share of the stream, in row order."""
         out = {}
-        for g, (d, k) in enumerate(zip(choices.tolist(), within.tolist(), strict=True), first):
-            samples = self.sources[d].samples
+        for row in rows:
+            samples = self.sources[int(choices[row])].samples
             if samples.streaming:
-                tokens = samples.take(k)
-                if g in wanted:
-                    out[g] = tokens
+                out[first + row] = samples.take()
         return out
 
 

@@ -31,7 +31,9 @@ def dataset_entries(cfg: DataConfig) -> list[DatasetSource]:
     ]
 
 
-def open_data(cfg: JobConfig, *, cache_dir: Path) -> tuple[list[Source], TokenDataset | None]:
+def open_data(
+    cfg: JobConfig, *, cache_dir: Path, data_rank: int = 0, data_ranks: int = 1
+) -> tuple[list[Source], TokenDataset | None]:
     """The training sources and, when [eval] is on, the held-out dataset, each checked against
     the model's vocabulary and the training tokenizer. Nothing is built: a missing dataset is an
     error here (see `ensure_local_data` for what is built on first use)."""
@@ -41,6 +43,8 @@ def open_data(cfg: JobConfig, *, cache_dir: Path) -> tuple[list[Source], TokenDa
         model_vocab_size=cfg.model.vocab_size,
         seed=cfg.train.seed,
         cache_dir=cache_dir,
+        data_rank=data_rank,
+        data_ranks=data_ranks,
     )
     eval_data = None
     if cfg.eval.interval:
@@ -55,10 +59,18 @@ def open_data(cfg: JobConfig, *, cache_dir: Path) -> tuple[list[Source], TokenDa
 
 
 def open_training_data(
-    cfg: DataConfig, *, seq_len: int, model_vocab_size: int, seed: int, cache_dir: Path
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    model_vocab_size: int,
+    seed: int,
+    cache_dir: Path,
+    data_rank: int = 0,
+    data_ranks: int = 1,
 ) -> list[Source]:
     """Every dataset of the mixture, ready to sample. `cache_dir` holds Hugging Face datasets
-    tokenized at start-up (built by the main rank first, see `ensure_local_data`)."""
+    tokenized at start-up (built by the main rank first, see `ensure_local_data`); a streaming
+    source reads data rank `data_rank`'s share of `data_ranks`."""
     if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
         raise ConfigError(
             f"data.tokenizer: {cfg.tokenizer} not found; point it at a tokenizer.json or leave it empty"
@@ -69,7 +81,13 @@ def open_training_data(
         if entry.source == "hf" and entry.streaming:
             from kiln.data.hf_source import StreamingSamples
 
-            samples = StreamingSamples(entry, tokenizer_path=cfg.tokenizer, seq_len=seq_len)
+            samples = StreamingSamples(
+                entry,
+                tokenizer_path=cfg.tokenizer,
+                seq_len=seq_len,
+                data_rank=data_rank,
+                data_ranks=data_ranks,
+            )
             _check_vocab(samples.vocab_size, model_vocab_size, where=cfg.tokenizer)
             sources.append(Source(entry.name, samples, samples.eos_id))
             hashes[entry.name] = (configured, cfg.tokenizer)

@@ -47,6 +47,15 @@ def decide_on_main(decide: Callable[[], T], *, what: str) -> T:
     return result
 
 
+def gather_from_all(value: T) -> list[T]:
+    """Every rank's `value`, in rank order, on every rank ([value] in one process)."""
+    if not _distributed():
+        return [value]
+    gathered: list[T] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def raise_any_failure(failure: str | None) -> None:
     """Each rank's own failure message (or None) in; every rank raises the first rank's failure,
     so an error on one rank (a full disk) stops all of them with the same message."""

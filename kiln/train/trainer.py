@@ -25,7 +25,7 @@ from kiln.metrics.plot import redraw_loss_curve
 from kiln.metrics.profiler import StepProfiler
 from kiln.metrics.step_records import StepLog, run_summary
 from kiln.model import build_model, materialize
-from kiln.parallel.agree import decide_on_main
+from kiln.parallel.agree import decide_on_main, gather_from_all
 from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.collectives import is_collective_failure
 from kiln.parallel.device import pick_device
@@ -79,6 +79,7 @@ class Trainer:
             data_ranks=data_ranks,
             data_rank=self.parallel.data_rank,
             pin=self.device.type == "cuda",
+            gather=gather_from_all,
         )
         self.step, self.tokens_seen = 0, 0
         if start.train_state is not None:  # before any weight is read
@@ -271,7 +272,8 @@ class Trainer:
         decide_on_main(
             lambda: ensure_local_data(self.cfg.data, cache_dir), what="prepare the training data"
         )
-        return open_data(self.cfg, cache_dir=cache_dir)
+        ranks = {"data_rank": self.parallel.data_rank, "data_ranks": self.parallel.data_ranks}
+        return open_data(self.cfg, cache_dir=cache_dir, **ranks)
 
     def save(self) -> None:
         """Checkpoint this step (in the background with checkpoint.async_mode = "async"), with

@@ -52,67 +52,150 @@ def entry(saved: Path, **kwargs) -> DatasetSource:
     return DatasetSource(name="code", source="hf", path=str(saved), text_key="content", **kwargs)
 
 
-def test_streaming_windows_are_the_packed_document_stream(saved, tokenizer):
-    stream = token_stream(tokenizer)
-    samples = StreamingSamples(entry(saved, streaming=True), tokenizer_path=tokenizer, seq_len=SEQ)
-    for k in range(40):
-        assert (samples.take(k) == stream[k * SEQ : k * SEQ + SEQ + 1]).all(), k
-    skipping = StreamingSamples(entry(saved, streaming=True), tokenizer_path=tokenizer, seq_len=SEQ)
-    assert (skipping.take(25) == stream[25 * SEQ : 26 * SEQ + 1]).all()
+def document_tokens(tokenizer: Path) -> list[np.ndarray]:
+    """Each row's tokens as streamed: the document and EOS, or nothing for an empty row."""
+    tok = load_tokenizer(tokenizer)
+    ids = encode_ids(tok, [text or "" for text in texts()])
+    return [
+        np.array([*i, eos_id(tok)] if text else [], dtype=np.int64)
+        for text, i in zip(texts(), ids, strict=True)
+    ]
 
 
-def test_streaming_resumes_at_its_saved_position(saved, tokenizer):
-    source = entry(saved, streaming=True)
-    uninterrupted = StreamingSamples(source, tokenizer_path=tokenizer, seq_len=SEQ)
-    expected = [uninterrupted.take(k) for k in range(30)]
-    first = StreamingSamples(source, tokenizer_path=tokenizer, seq_len=SEQ)
-    for k in range(13):
-        first.take(k)
-    position = first.position()
-    assert position["document"] > 0  # the resume skips documents, not only samples
-    resumed = StreamingSamples(source, tokenizer_path=tokenizer, seq_len=SEQ)
-    resumed.seek(position)
-    for k in range(13, 30):
-        assert (resumed.take(k) == expected[k]).all(), k
+def windows_of(documents: list[np.ndarray], count: int) -> list[np.ndarray]:
+    stream = np.concatenate(documents)
+    return [stream[k * SEQ : k * SEQ + SEQ + 1] for k in range(count)]
 
 
-def test_streaming_through_the_loader_split_over_ranks_and_resumed(saved, tokenizer):
+def streamer(saved: Path, tokenizer: Path, rank: int = 0, ranks: int = 1) -> StreamingSamples:
+    return StreamingSamples(
+        entry(saved, streaming=True),
+        tokenizer_path=tokenizer,
+        seq_len=SEQ,
+        data_rank=rank,
+        data_ranks=ranks,
+    )
+
+
+def gathered(streams: list[StreamingSamples]) -> dict:
+    """What a checkpoint keeps: every rank's position (the loader gathers them across ranks)."""
+    return streams[0].gathered_state([s.position() for s in streams])
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_each_rank_streams_the_packed_documents_of_its_share(saved, tokenizer, ranks):
+    documents = document_tokens(tokenizer)
+    for rank in range(ranks):
+        samples = streamer(saved, tokenizer, rank, ranks)
+        share = documents[rank::ranks]  # rows rank, rank + ranks, ...: only these are read
+        for k, expected in enumerate(windows_of(share, 40 // ranks)):
+            assert (samples.take() == expected).all(), (rank, k)
+
+
+def test_streaming_resumes_at_its_saved_position_on_the_same_ranks(saved, tokenizer):
+    uninterrupted = [streamer(saved, tokenizer, r, 2) for r in range(2)]
+    expected = [[s.take() for _ in range(20)] for s in uninterrupted]
+    first = [streamer(saved, tokenizer, r, 2) for r in range(2)]
+    for s in first:
+        for _ in range(9):
+            s.take()
+    state = gathered(first)
+    assert all(p["document"] > 1 for p in state["positions"])  # a resume skips documents
+    for rank in range(2):
+        resumed = streamer(saved, tokenizer, rank, 2)
+        assert resumed.seek(state) is None
+        for k in range(9, 20):
+            assert (resumed.take() == expected[rank][k]).all(), (rank, k)
+
+
+@pytest.mark.parametrize("new_ranks", [1, 3])
+def test_a_stream_resumed_on_another_number_of_ranks_repeats_and_skips_nothing(
+    saved, tokenizer, new_ranks
+):
+    documents = document_tokens(tokenizer)
+    first = [streamer(saved, tokenizer, r, 2) for r in range(2)]
+    for s, steps in zip(first, [7, 12], strict=True):  # mid-document, ranks apart
+        for _ in range(steps):
+            s.take()
+    state = gathered(first)
+    read = {}  # tokens of each row the first run trained on (its windows' inputs)
+    for rank, p in enumerate(state["positions"]):
+        for row in range(rank, p["document"], 2):
+            read[row] = len(documents[row])
+        read[p["document"]] = p["offset"]
+    resumed = [streamer(saved, tokenizer, r, new_ranks) for r in range(new_ranks)]
+    notes = [s.seek(state) for s in resumed]
+    assert all("continued on" in note for note in notes)
+    for rank, s in enumerate(resumed):
+        layout = s.layout
+        position = s.position()
+        # What this rank reads: its share of the rows from its position, each from the first
+        # token nobody trained on; the rows the first run read whole are not among them.
+        plan = [
+            (row, start)
+            for row, start in zip(
+                range(40), layout.share(rank, first=position["document"]), strict=False
+            )
+        ]
+        rows = [row for _, (row, _) in plan if row < len(documents)]
+        assert not any(read.get(row, 0) == len(documents[row]) > 0 for row in rows)
+        share = [documents[row][read.get(row, 0) :] for row in rows]
+        for k, expected in enumerate(windows_of(share, 5)):
+            assert (s.take() == expected).all(), (rank, k)
+
+
+def test_streaming_through_the_loader_resumes_on_other_rank_counts(saved, tokenizer):
     cfg = DataConfig(
         source="hf", path=str(saved), text_key="content", streaming=True, tokenizer=str(tokenizer)
     )
 
-    def loader(data_ranks=1, data_rank=0):
-        (source,) = open_training_data(
-            cfg,
-            seq_len=SEQ,
-            model_vocab_size=4096,
-            seed=0,
-            cache_dir=Path("unused"),
-        )
-        return BatchLoader(
-            [source],
-            cfg,
-            seed=0,
-            batch_size=4 // data_ranks,
-            grad_accum_steps=2,
-            data_ranks=data_ranks,
-            data_rank=data_rank,
-        )
+    def loaders(ranks: int) -> list[BatchLoader]:
+        made = []
+        for rank in range(ranks):
+            (source,) = open_training_data(
+                cfg,
+                seq_len=SEQ,
+                model_vocab_size=4096,
+                seed=0,
+                cache_dir=Path("unused"),
+                data_rank=rank,
+                data_ranks=ranks,
+            )
+            loader = BatchLoader(
+                [source],
+                cfg,
+                seed=0,
+                batch_size=4 // ranks,
+                grad_accum_steps=2,
+                data_ranks=ranks,
+                data_rank=rank,
+                # The collective over ranks, for ranks that live in this one process.
+                gather=lambda value, made=made: [
+                    (lo.data_rank, lo._state["streams"]) if isinstance(value, tuple) else None
+                    for lo in made
+                ],
+            )
+            made.append(loader)
+        return made
 
-    one, ranks = loader(), [loader(2, 0), loader(2, 1)]
+    two = loaders(2)
     for _ in range(3):
-        whole = one.next_step()
-        parts = [rank.next_step() for rank in ranks]
-        for m, (inputs, _) in enumerate(whole.micro_batches):
-            rows = [part.micro_batches[m][0] for part in parts]
-            assert (inputs == np.concatenate(rows)).all()
-    resumed = loader()
-    resumed.load_state_dict(one.state_dict())
+        steps = [lo.next_step() for lo in two]
+    assert steps[0].sample_ids != steps[1].sample_ids
+    state = two[0].state_dict()
+    assert state == two[1].state_dict()
+    assert len(state["streams"]["data"]["positions"]) == 2
+    again = loaders(2)
+    for lo in again:
+        lo.load_state_dict(state)
     for _ in range(2):
-        expected, got = one.next_step(), resumed.next_step()
-        assert expected.sample_ids == got.sample_ids
-        for (a, _), (b, _) in zip(expected.micro_batches, got.micro_batches, strict=True):
-            assert (a == b).all()
+        for lo, resumed in zip(two, again, strict=True):
+            expected, got = lo.next_step(), resumed.next_step()
+            for (a, _), (b, _) in zip(expected.micro_batches, got.micro_batches, strict=True):
+                assert (a == b).all()
+    (one,) = loaders(1)
+    one.load_state_dict(state)  # on one rank: continues, repeating nothing (see the test above)
+    assert one.next_step().micro_batches[0][0].shape == (4, SEQ)
 
 
 def test_eager_is_tokenized_once_into_the_cache(saved, tokenizer, tmp_path):

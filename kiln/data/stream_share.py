@@ -1,0 +1,155 @@
+"""Which documents of a stream each data rank reads, and where each continues after a resume.
+
+Data rank r of R reads documents start + r, start + r + R, start + r + 2R, ... of the stream
+(its share) and packs them into its own windows. A resume at the same R continues every rank at
+its saved position. A resume at another R (a new layout) starts the new ranks' shares at the
+lowest document any old rank still had to read; the documents the old ranks had already read, and
+the parts of the ones they were in the middle of, are skipped, so nothing is trained on twice
+and nothing is left out. What the old ranks had read is kept as an earlier layout until every new
+rank has passed its last document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE = -1  # a document's status when an earlier layout read all of it
+
+
+@dataclass(frozen=True)
+class EarlierLayout:
+    """How far each rank of a past layout had read when it was replaced: rank r's share started
+    at `start` + r with stride `ranks`; it had read every document before `documents[r]` and
+    `offsets[r]` tokens of that one (0: none of it, whatever an earlier layout did)."""
+
+    start: int
+    ranks: int
+    documents: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def status(self, document: int, earlier: int) -> int:
+        """Tokens of `document` read by the end of this layout (DONE: all), given `earlier`, its
+        status before this layout began."""
+        if document < self.start:
+            return earlier
+        rank = (document - self.start) % self.ranks
+        if document < self.documents[rank]:
+            return DONE
+        if document == self.documents[rank] and self.offsets[rank]:
+            return self.offsets[rank]
+        return earlier  # not reached by this layout: as it was before
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The striping in effect: `ranks` data ranks from document `start` on, after the `earlier`
+    layouts (oldest first) whose reads are still ahead of some new rank."""
+
+    start: int = 0
+    ranks: int = 1
+    earlier: tuple[EarlierLayout, ...] = field(default_factory=tuple)
+
+    def status(self, document: int) -> int:
+        """Tokens of `document` trained on before this layout began (DONE: all of it)."""
+        if document < self.start:
+            return DONE
+        read = 0
+        for layout in self.earlier:
+            read = layout.status(document, read)
+        return read
+
+    def share(self, rank: int, *, first: int) -> Iterator[tuple[int, int]]:
+        """(document, first token to read) of rank `rank`'s share from document `first` on,
+        leaving out the documents an earlier layout read whole."""
+        document = first
+        while True:
+            read = self.status(document)
+            if read != DONE:
+                yield document, read
+            document += self.ranks
+
+    def first_document(self, rank: int) -> tuple[int, int]:
+        """Where rank `rank` starts in this layout: its first unread document and offset."""
+        return next(self.share(rank, first=self.start + rank))
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "ranks": self.ranks,
+            "earlier": [
+                {
+                    "start": e.start,
+                    "ranks": e.ranks,
+                    "documents": list(e.documents),
+                    "offsets": list(e.offsets),
+                }
+                for e in self.earlier
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Layout:
+        earlier = tuple(
+            EarlierLayout(e["start"], e["ranks"], tuple(e["documents"]), tuple(e["offsets"]))
+            for e in state.get("earlier", [])
+        )
+        return cls(start=state["start"], ranks=state["ranks"], earlier=earlier)
+
+
+@dataclass(frozen=True)
+class Position:
+    """One rank's place in its share: the next document not fully read, the tokens of it already
+    read, and the windows this rank has taken."""
+
+    document: int
+    offset: int
+    sample: int = 0
+
+
+def relayout(layout: Layout, positions: list[Position], ranks: int) -> Layout:
+    """The layout that continues `positions` (one per rank of `layout`) on `ranks` ranks."""
+    assert len(positions) == layout.ranks, (len(positions), layout.ranks)
+    past = EarlierLayout(
+        layout.start,
+        layout.ranks,
+        tuple(p.document for p in positions),
+        tuple(p.offset for p in positions),
+    )
+    start = min(past.documents)
+    # Every document before `start` is done; a past layout that read nothing at or after it
+    # decides nothing any more.
+    kept = tuple(e for e in (*layout.earlier, past) if max(e.documents) >= start)
+    return Layout(start=start, ranks=ranks, earlier=kept)
+
+
+def resume_positions(
+    saved: dict[str, Any] | None, ranks: int
+) -> tuple[Layout, list[Position], str | None]:
+    """The layout and every rank's position continuing a saved stream state on `ranks` data
+    ranks, and what was done when the number of ranks changed (None: nothing to say)."""
+    if saved is None:
+        layout = Layout(ranks=ranks)
+        return layout, [Position(*layout.first_document(r)) for r in range(ranks)], None
+    if "positions" not in saved:
+        # Written by a kiln whose every rank read the whole stream: one reader's position.
+        saved = {
+            "start": 0,
+            "ranks": 1,
+            "positions": [{"document": saved["document"], "offset": saved["offset"]}],
+        }
+    layout = Layout.from_state(saved)
+    positions = [
+        Position(p["document"], p["offset"], p.get("sample", 0)) for p in saved["positions"]
+    ]
+    if layout.ranks == ranks:
+        return layout, positions, None
+    new = relayout(layout, positions, ranks)
+    moved = [Position(*new.first_document(r)) for r in range(ranks)]
+    note = (
+        f"saved by {layout.ranks} data rank(s), continued on {ranks}: every rank now reads every "
+        f"{ranks}th document from document {new.start} on, skipping the documents (and parts "
+        "of documents) already trained on, so no document is repeated or left out"
+    )
+    return new, moved, note
