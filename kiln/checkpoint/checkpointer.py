@@ -6,7 +6,9 @@ layout loads into another; DCP reads only the slices each rank owns.
 
 from __future__ import annotations
 
+import io
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +31,13 @@ from kiln.checkpoint.state import (
     single_process_quiet,
     state_dicts,
 )
-from kiln.config import JobConfig, ModelConfig, config_from_dict, read_toml
+from kiln.checkpoint.store import Location, location, store_for
+from kiln.config import JobConfig, ModelConfig, config_from_dict
 from kiln.errors import KilnError, first_line
 
 
 def save_checkpoint(
-    root: Path,
+    root: Location | str,
     step: int,
     *,
     model: Modules,
@@ -43,7 +46,7 @@ def save_checkpoint(
     train_state: dict[str, Any],
     tokenizer_path: Path | None = None,
     keep_last_n: int = 0,
-) -> Path:
+) -> Location:
     """Write and commit step `step` synchronously (see CheckpointSaver); its folder."""
     record = CheckpointSaver(root, keep_last_n=keep_last_n).save(
         step,
@@ -57,7 +60,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path,
+    path: Location | str,
     *,
     model: Modules,
     optimizer: Optimizers = None,
@@ -65,11 +68,12 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load weights (and optimizer state, RNG when asked) in place; return the saved train state."""
     path = layout.resolve_checkpoint(path)
+    store = store_for(path)
     parts = state_dicts(model, optimizer)
     state = merged(parts)
     try:
         with single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not distributed())
+            dcp.load(state, storage_reader=store.reader(path), no_dist=not distributed())
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         keys = _saved_keys(path)
         if optimizer is not None and not any(key.startswith("optim.") for key in keys):
@@ -95,14 +99,14 @@ def load_checkpoint(
             set_optimizer_state_dict(module, optim, loaded, options=FLAT)
     if restore_rng:
         rng_file = path / "rng" / f"rank_{rank():05d}.pt"
-        if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        if store.is_file(rng_file):
+            set_rng_state(torch.load(io.BytesIO(store.read_bytes(rng_file)), weights_only=False))
     return read_train_state(path)
 
 
-def _saved_keys(path: Path) -> set[str]:
+def _saved_keys(path: Location) -> set[str]:
     try:
-        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        return set(store_for(path).reader(path).read_metadata().state_dict_metadata)
     except Exception:
         return set()
 
@@ -112,23 +116,34 @@ def _has_indexed_optimizer_state(keys: set[str]) -> bool:
     return any(key.startswith("optim.param_groups.") and key.endswith(".params") for key in keys)
 
 
-def read_train_state(path: Path) -> dict[str, Any]:
-    file = Path(path) / "train_state.json"
-    if not file.is_file():
+def read_train_state(path: Location | str) -> dict[str, Any]:
+    path = location(path)
+    file, store = path / "train_state.json", store_for(path)
+    if not store.is_file(file):
         return {"step": 0}
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError:
+        return json.loads(store.read_bytes(file).decode())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise KilnError(
             f"{file} is corrupt; resume from an earlier checkpoint or delete {path}"
         ) from None
 
 
-def read_model_config(path: Path) -> ModelConfig:
-    """The model section a checkpoint was written with."""
-    config_file = Path(path) / "config.toml"
-    if not config_file.is_file():
+def read_config(path: Location | str) -> dict[str, Any]:
+    """The resolved config a checkpoint was written with, as its TOML tables."""
+    path = location(path)
+    config_file, store = path / "config.toml", store_for(path)
+    if not store.is_file(config_file):
         raise KilnError(f"{path} has no config.toml: it was not written by kiln")
-    raw = read_toml(config_file)
+    try:
+        return tomllib.loads(store.read_bytes(config_file).decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise KilnError(f"{config_file}: TOML syntax error: {e}") from None
+
+
+def read_model_config(path: Location | str) -> ModelConfig:
+    """The model section a checkpoint was written with."""
+    raw = read_config(path)
+    config_file = location(path) / "config.toml"
     raw.get("model", {}).pop("preset", None)  # the preset was resolved into explicit keys on save
-    return config_from_dict(raw, source=config_file).model
+    return config_from_dict(raw, source=str(config_file)).model

@@ -20,10 +20,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, save_checkpoint
+from kiln.checkpoint.checkpointer import (
+    load_checkpoint,
+    read_config,
+    read_model_config,
+    save_checkpoint,
+)
 from kiln.checkpoint.hf_tensors import check_keys, export_tensors, load_tensors
 from kiln.checkpoint.layout import find_tokenizer, resolve_checkpoint
-from kiln.config import JobConfig, ModelConfig, read_toml
+from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.log import info
 from kiln.model.build import build_model, materialize
@@ -226,7 +231,7 @@ def _checkpoint_export_dtype(step_dir: Path) -> str:
     """`checkpoint.export_dtype` of the run that wrote `step_dir`; float32 for checkpoints
     written before kiln had that setting."""
     config_file = step_dir / "config.toml"
-    dtype = read_toml(config_file).get("checkpoint", {}).get("export_dtype", "float32")
+    dtype = read_config(step_dir).get("checkpoint", {}).get("export_dtype", "float32")
     if dtype not in _DTYPES:
         raise KilnError(
             f"{config_file} sets checkpoint.export_dtype = {dtype!r}; pass --dtype with one of "

@@ -1,7 +1,9 @@
-"""On-disk layout of a checkpoint directory: step folders, the commit marker, `latest`, retention.
+"""Layout of a checkpoint directory: step folders, the commit marker, `latest`, retention. The
+same rules hold on a filesystem and in an object store (`kiln/checkpoint/store.py`); only how a
+save is committed differs.
 
 <root>/
-  latest                    # text: name of the newest complete step folder (replaced atomically)
+  latest                    # text: name of the newest complete step folder
   tokenizer.json            # copied once, so a checkpoint can generate text on its own
   step_00000200/
     .metadata, *.distcp     # torch.distributed.checkpoint: model (+ optimizer)
@@ -14,15 +16,16 @@
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import re
-import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.checkpoint.store import Location, location, store_for, sync_path
 from kiln.errors import KilnError
+
+__all__ = ["sync_path"]  # saver and older callers reach the local fsync here
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -30,118 +33,77 @@ TRAIN_STATE = "train_state.json"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step_{step:08d}"
+def step_dir(root: Location | str, step: int) -> Location:
+    return location(root) / f"step_{step:08d}"
 
 
-def partial_dir(root: Path, step: int) -> Path:
-    return Path(root) / f".step_{step:08d}.partial"
+def partial_dir(root: Location | str, step: int) -> Location:
+    """Where the save of `step` is written until its commit (a hidden folder on a filesystem)."""
+    root = location(root)
+    return store_for(root).staging(root, step)
 
 
-def is_complete(path: Path) -> bool:
-    return (Path(path) / MARKER).is_file()
+def is_complete(path: Location) -> bool:
+    return store_for(path).is_file(path / MARKER)
 
 
-def complete_steps(root: Path) -> list[tuple[int, Path]]:
+def complete_steps(root: Location | str) -> list[tuple[int, Location]]:
     """(step, folder) of every committed checkpoint under root, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
+    root = location(root)
     found = []
-    for child in root.iterdir():
+    for child in store_for(root).children(root):
         match = _STEP_RE.match(child.name)
         if match and is_complete(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
 
 
-def latest_complete(root: Path) -> Path | None:
+def latest_complete(root: Location | str) -> Location | None:
     """The folder `latest` names if it is complete, else the highest complete step."""
+    root = location(root)
     try:  # empty or unreadable after a hard stop: the folders still say which is newest
-        named = Path(root) / (Path(root) / LATEST).read_text().strip()
+        named = store_for(root).read_bytes(root / LATEST).decode().strip()
     except (OSError, UnicodeDecodeError):
-        named = None
-    if named is not None and _STEP_RE.match(named.name) and is_complete(named):
-        return named
+        named = ""
+    if _STEP_RE.match(named) and is_complete(root / named):
+        return root / named
     steps = complete_steps(root)
     return steps[-1][1] if steps else None
 
 
-def commit(root: Path, step: int) -> Path:
-    """Mark the partial folder complete, move it into place and point `latest` at it.
-
-    Durable: every file and folder the checkpoint depends on reaches the disk before the rename
-    publishes it, and the rename and `latest` before this returns. Without the fsyncs a power cut
-    or a spot VM's hard stop right after a commit can leave the small files empty behind names
-    that were already renamed into place."""
-    partial, final = partial_dir(root, step), step_dir(root, step)
-    files = {
-        str(file.relative_to(partial)): file.stat().st_size
-        for file in sorted(partial.rglob("*"))
-        if file.is_file()
-    }
-    for name in files:
-        sync_path(partial / name)
-    for folder in sorted((p for p in partial.rglob("*") if p.is_dir()), reverse=True):
-        sync_path(folder)
-    marker = partial / f".{MARKER}.tmp"
-    _write_synced(marker, json.dumps({"step": step, "files": files}, indent=1) + "\n")
-    os.replace(marker, partial / MARKER)
-    sync_path(partial)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(partial, final)
-    sync_path(Path(root))
-    tmp = Path(root) / f".{LATEST}.tmp"
-    _write_synced(tmp, final.name + "\n")
-    os.replace(tmp, Path(root) / LATEST)
-    sync_path(Path(root))
-    return final
+def commit(root: Location | str, step: int) -> Location:
+    """Mark the staged save of `step` complete with the manifest of its files, make it the
+    committed folder and point `latest` at it (durably and atomically on a filesystem: see
+    LocalStore.publish; marker object last in an object store)."""
+    root = location(root)
+    store = store_for(root)
+    files = store.files(store.staging(root, step))
+    marker = json.dumps({"step": step, "files": files}, indent=1) + "\n"
+    return store.publish(root, step, marker, f"step_{step:08d}\n")
 
 
-def sync_path(path: Path) -> None:
-    """fsync a file, or a folder (its entries: names created, renamed or removed in it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        # Some network filesystems refuse fsync on a folder; their renames are synchronous.
-        if not (Path(path).is_dir() and error.errno in (errno.EINVAL, errno.ENOTSUP)):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def damage(path: Path) -> str | None:
+def damage(path: Location) -> str | None:
     """Why a committed checkpoint cannot be trusted, or None: a marker or train state that is
     empty or unreadable (a hard stop before they reached the disk), a file the marker lists that
     is missing or has another size (a truncated copy, a full disk). Markers of older kiln
     versions hold only the step and are taken as they are."""
-    marker = Path(path) / MARKER
+    store = store_for(path)
     try:
-        manifest = json.loads(marker.read_text())
+        manifest = json.loads(store.read_bytes(path / MARKER).decode())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        if not marker.is_file():
+        if not store.is_file(path / MARKER):
             return f"no {MARKER} marker"
         return f"its {MARKER} marker is empty or unreadable"
+    present = store.files(path)  # one listing: on an object store, one request for all sizes
     if isinstance(manifest, dict):
         for name, size in manifest.get("files", {}).items():
-            file = Path(path) / name
-            if not file.is_file():
+            if name not in present:
                 return f"{name} is missing"
-            if file.stat().st_size != size:
-                return f"{name} has {file.stat().st_size} bytes, {size} were written"
-    state = Path(path) / TRAIN_STATE
-    if state.exists():
+            if present[name] != size:
+                return f"{name} has {present[name]} bytes, {size} were written"
+    if TRAIN_STATE in present:
         try:
-            if not isinstance(json.loads(state.read_text()), dict):
+            if not isinstance(json.loads(store.read_bytes(path / TRAIN_STATE).decode()), dict):
                 return f"{TRAIN_STATE} holds no train state"
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return f"{TRAIN_STATE} is empty or unreadable"
@@ -152,22 +114,20 @@ def damage(path: Path) -> str | None:
 class Skipped:
     """A checkpoint that resuming passed over, and why."""
 
-    path: Path
+    path: Location
     reason: str
 
     def message(self) -> str:
         return f"skipping {self.path}: {self.reason}"
 
 
-def resume_candidates(root: Path) -> tuple[Path | None, list[Skipped]]:
+def resume_candidates(root: Location | str) -> tuple[Location | None, list[Skipped]]:
     """The checkpoint to resume from (the one `latest` names, else the highest step) that is
     intact, and each checkpoint newer than it that was passed over, with the reason."""
-    root = Path(root)
-    if not root.is_dir():
-        return None, []
+    root = location(root)
     skipped = [
         Skipped(child, f"an interrupted save (no {MARKER} marker)")
-        for child in sorted(root.iterdir())
+        for child in store_for(root).children(root)
         if (_STEP_RE.match(child.name) or child.name.startswith(".step_"))
         and not is_complete(child)
     ]
@@ -184,31 +144,33 @@ def resume_candidates(root: Path) -> tuple[Path | None, list[Skipped]]:
     return None, skipped
 
 
-def prune(root: Path, keep_last_n: int, *, keep: Path) -> None:
+def prune(root: Location | str, keep_last_n: int, *, keep: Location) -> None:
     """Delete all but the newest `keep_last_n` complete checkpoints (0 keeps everything);
     `keep`, the one just written, always stays."""
     if keep_last_n <= 0:
         return
+    root = location(root)
     for _, path in complete_steps(root)[:-keep_last_n]:
         if path != keep:
-            shutil.rmtree(path, ignore_errors=True)
+            store_for(root).remove(path)
 
 
-def remove_partials(root: Path) -> None:
+def remove_partials(root: Location | str) -> None:
     """Leftovers of a save that died midway are never loaded; clear them before writing again."""
-    root = Path(root)
-    if root.is_dir():
-        for child in root.glob(".step_*.partial"):
-            shutil.rmtree(child, ignore_errors=True)
+    root = location(root)
+    store = store_for(root)
+    for partial in store.partials(root):
+        store.remove(partial)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Location) -> Location:
     """A step folder, a checkpoint root or a run directory holding one in `checkpoints/` (their
     newest complete step); anything else is an error."""
-    path = Path(path)
-    if not path.exists():
+    path = location(path)
+    store = store_for(path)
+    if not store.exists(path):
         raise KilnError(f"checkpoint not found: {path}")
-    if not complete_steps(path) and (path / "checkpoints").is_dir():
+    if not complete_steps(path) and store.exists(path / "checkpoints"):
         path = path / "checkpoints"  # a run directory (metrics.run_dir)
     if _STEP_RE.match(path.name) and is_complete(path):
         problem = damage(path)
@@ -231,8 +193,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
-def find_tokenizer(checkpoint: Path) -> Path | None:
+def find_tokenizer(checkpoint: Location) -> Path | None:
+    """The tokenizer saved with a checkpoint, as a local file (one in an object store is
+    downloaded to a temporary folder, since tokenizers load from files)."""
+    store = store_for(checkpoint)
     for candidate in (checkpoint / "tokenizer.json", checkpoint.parent / "tokenizer.json"):
-        if candidate.is_file():
-            return candidate
+        if store.is_file(candidate):
+            if isinstance(candidate, Path):
+                return candidate
+            local = Path(tempfile.mkdtemp(prefix="kiln-tokenizer-")) / "tokenizer.json"
+            local.write_bytes(store.read_bytes(candidate))
+            return local
     return None

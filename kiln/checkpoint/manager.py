@@ -2,7 +2,7 @@
 config fingerprint, saving (sync or async), when a background save is finished, rollback, and the
 last saved step.
 
-Whatever depends on the filesystem or on a background save is decided on rank 0 and agreed
+Whatever depends on the checkpoint store (a filesystem or an object store) or on a background save is decided on rank 0 and agreed
 (`kiln.parallel.agree`); the last saved step lives in memory, the same on every rank. A rank that
 read `latest` from disk while rank 0 was still committing could otherwise decide to save when
 rank 0 does not, and the two would wait for each other in a collective until the timeout.
@@ -28,6 +28,7 @@ from kiln.checkpoint.layout import (
 )
 from kiln.checkpoint.saver import CheckpointSaver, SaveRecord
 from kiln.checkpoint.state import Modules, Optimizers
+from kiln.checkpoint.store import Location, location, store_for
 from kiln.config import JobConfig, ModelConfig, MoEConfig
 from kiln.config.load import moved_key
 from kiln.errors import ConfigError, KilnError
@@ -51,7 +52,7 @@ class StartPoint:
     """How this invocation starts: `kind`, from `path` (None: scratch)."""
 
     kind: StartKind
-    path: Path | None = None
+    path: Location | None = None
     step: int = 0
     train_state: dict | None = None  # what a resume continues: data position, tokens seen
     skipped: tuple[Skipped, ...] = ()  # newer checkpoints passed over, and why
@@ -76,7 +77,8 @@ class CheckpointManager:
             or cfg.train.stop_at_step
             or cfg.train.time_limit_minutes
         )
-        self.dir = Path(self.cfg.dir or Path(cfg.metrics.run_dir) / "checkpoints")
+        # A folder, or a URL (s3://bucket/run) kept through fsspec (kiln/checkpoint/store.py).
+        self.dir = location(self.cfg.dir or Path(cfg.metrics.run_dir) / "checkpoints")
         self.device = device
         self.saver: CheckpointSaver | None = None
         self.last_saved_step: int | None = None
@@ -127,7 +129,7 @@ class CheckpointManager:
             return StartPoint(StartKind.CONTINUE, path, state["step"], state)
         return StartPoint(StartKind.SCRATCH)
 
-    def _check_fingerprint(self, path: Path, saved: dict | None, current: dict) -> None:
+    def _check_fingerprint(self, path: Location, saved: dict | None, current: dict) -> None:
         # An older run recorded the expert count as model.moe.num_experts: the same key.
         experts = {moved_key(k): v for k, v in (saved or {}).items()}.get("model.moe.num_experts")
         if experts is not None:
@@ -198,7 +200,9 @@ class CheckpointManager:
     def probe_writable(self) -> None:
         """Fail at start-up, not at the first save hours later, if checkpoints cannot be written."""
         if self.will_save:
-            decide_on_main(lambda: _check_writable(self.dir), what="write checkpoints")
+            decide_on_main(
+                lambda: store_for(self.dir).check_writable(self.dir), what="write checkpoints"
+            )
 
     def open_for_writing(self) -> None:
         self.probe_writable()
@@ -275,7 +279,7 @@ class CheckpointManager:
         self.events.write("rollback", from_step=at_step, step=state["step"], path=newest)
         return state | {"path": newest}
 
-    def newest(self) -> Path | None:
+    def newest(self) -> Location | None:
         """The newest committed checkpoint, for messages."""
         return latest_complete(self.dir)
 
@@ -284,7 +288,7 @@ class CheckpointManager:
 _FREE_MODEL_KEYS = ("preset", "init_std", "max_seq_len")
 
 
-def _check_expert_count(path: Path, saved: int, current: int) -> None:
+def _check_expert_count(path: Location, saved: int, current: int) -> None:
     """The expert weights are stacked (experts × …) tensors: another count cannot load, whatever
     the layout, so a resume is refused even when forced."""
     if saved == current:
@@ -304,7 +308,7 @@ def _check_expert_count(path: Path, saved: int, current: int) -> None:
     )
 
 
-def _check_same_model(path: Path, model: ModelConfig) -> None:
+def _check_same_model(path: Location, model: ModelConfig) -> None:
     """Weights mean something only under the model settings they were trained with: a converted
     Llama 3.1 model loaded without its RoPE scaling would load cleanly and compute something else.
     Shapes that differ would fail to load; settings that differ silently are refused here."""
@@ -333,23 +337,6 @@ def _model_settings(saved: ModelConfig, model: ModelConfig) -> list[tuple[str, A
         else:
             pairs.append((key, getattr(saved, key), getattr(model, key)))
     return pairs
-
-
-def _check_writable(directory: Path) -> None:
-    """Fail at start-up, not at the first save; leave no folder behind."""
-    created = [path for path in (directory, *directory.parents) if not path.exists()]
-    probe = directory / ".write_test"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-        for path in created:
-            path.rmdir()
-    except OSError as error:
-        raise KilnError(
-            f"checkpoint directory {directory} is not writable ({error.strerror or error}); "
-            "set checkpoint.dir to a writable folder"
-        ) from None
 
 
 def _say(message: str) -> None:

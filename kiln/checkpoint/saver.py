@@ -4,21 +4,24 @@ A save goes through three phases, each agreed by every rank so that a failure on
 full disk, a directory that cannot be written) stops all of them with the same message instead
 of leaving the others waiting:
 
-1. rank 0 creates the hidden partial folder and writes the small files; every rank writes its RNG;
+1. rank 0 clears what an interrupted save left, writes the small files into the save's staging
+   folder (a hidden partial folder on a filesystem, the step's own prefix in an object store);
+   every rank writes its RNG;
 2. DCP writes the sharded model and optimizer state (in a background thread when async, after
    the state has been copied to CPU memory, pinned on GPU machines: all the training loop waits for);
-3. rank 0 commits: every file and folder fsynced, marker with the file manifest, rename into
-   place, `latest`, retention (`layout.commit`).
+3. rank 0 commits: the marker with the file manifest, `latest`, retention (`layout.commit`; on a
+   filesystem every file and folder is fsynced and the folder renamed into place first).
 
-A failed save removes its partial folder; the previous checkpoint and `latest` stay as they were.
+A failed save removes its staging folder; the previous checkpoint and `latest` stay as they were.
 Finishing a background save (`wait`) is collective too: the caller decides when, the same on
 every rank (see CheckpointManager), and a failure on any rank is raised on all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import shutil
 import time
 import warnings
 from concurrent.futures import Future
@@ -42,6 +45,7 @@ from kiln.checkpoint.state import (
     rng_state,
     single_process_quiet,
 )
+from kiln.checkpoint.store import Location, location, store_for
 from kiln.config import JobConfig, to_toml
 from kiln.errors import KilnError, first_line
 from kiln.parallel.agree import raise_any_failure
@@ -58,7 +62,7 @@ class SaveRecord:
     committed_after_step: int  # the last training step that had finished at the commit
     blocked_s: float  # how long the training loop waited for it: staging, waiting, committing
     write_s: float  # from the start of the save until every rank's part was written
-    path: Path
+    path: Location
 
 
 @dataclass
@@ -73,13 +77,14 @@ class _InFlight:
 class CheckpointSaver:
     def __init__(
         self,
-        root: Path,
+        root: Location | str,
         *,
         keep_last_n: int = 0,
         async_mode: str = "disabled",
         device: torch.device | None = None,
     ):
-        self.root = Path(root)
+        self.root = location(root)
+        self.store = store_for(self.root)
         self.keep_last_n = keep_last_n
         self.in_flight: _InFlight | None = None
         # Wall time of the last save from its start until written (the background part too).
@@ -128,7 +133,7 @@ class CheckpointSaver:
             with single_process_quiet():
                 future = dcp.async_save(
                     state,
-                    checkpoint_id=partial,
+                    storage_writer=self.store.writer(partial),
                     process_group=self._group,
                     async_stager=self._stager,
                     no_dist=not distributed(),
@@ -139,7 +144,9 @@ class CheckpointSaver:
             return None
         try:
             with single_process_quiet():
-                dcp.save(state, checkpoint_id=partial, no_dist=not distributed())
+                dcp.save(
+                    state, storage_writer=self.store.writer(partial), no_dist=not distributed()
+                )
         except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
             self._abandon(step)
             raise self._error(step, first_line(error)) from None
@@ -187,30 +194,26 @@ class CheckpointSaver:
 
     def _prepare(
         self,
-        partial: Path,
+        partial: Location,
         step: int,
         config: JobConfig,
         train_state: dict[str, Any],
         tokenizer_path: Path | None,
     ) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
         layout.remove_partials(self.root)
-        partial.mkdir()
-        (partial / "config.toml").write_text(to_toml(config))
-        (partial / "train_state.json").write_text(
-            json.dumps({"step": step, **train_state}, indent=2) + "\n"
-        )
+        # In an object store the staging prefix is the step's own: a checkpoint of the same step
+        # written before (a run continued from an earlier one) is replaced, marker first.
+        self.store.remove(partial)
+        self.store.write_bytes(partial / "config.toml", to_toml(config).encode())
+        state = json.dumps({"step": step, **train_state}, indent=2) + "\n"
+        self.store.write_bytes(partial / "train_state.json", state.encode())
         if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, partial / "tokenizer.json")
+            self.store.write_bytes(partial / "tokenizer.json", Path(tokenizer_path).read_bytes())
 
-    def _write_rng(self, partial: Path) -> None:
-        rng_dir = partial / "rng"
-        rng_dir.mkdir(exist_ok=True)
-        file = rng_dir / f"rank_{rank():05d}.pt"
-        torch.save(rng_state(), file)
-        layout.sync_path(
-            file
-        )  # by its writer: on a shared filesystem another node's fsync may not reach it
+    def _write_rng(self, partial: Location) -> None:
+        buffer = io.BytesIO()
+        torch.save(rng_state(), buffer)
+        self.store.write_own(partial / "rng" / f"rank_{rank():05d}.pt", buffer.getvalue())
 
     def _commit(self, step: int) -> None:
         final = layout.commit(self.root, step)
@@ -228,11 +231,21 @@ class CheckpointSaver:
 
     def _abandon(self, step: int) -> None:
         if rank() == 0:
-            shutil.rmtree(layout.partial_dir(self.root, step), ignore_errors=True)
+            # Best effort: a store that cannot be reached keeps the leftovers, which are never
+            # loaded and are cleared by the next save.
+            with contextlib.suppress(OSError):
+                self.store.remove(layout.partial_dir(self.root, step))
 
     def _error(self, step: int, cause: str) -> KilnError:
-        newest = layout.latest_complete(self.root)
-        kept = f"the previous checkpoint {newest} is intact" if newest else "no checkpoint was kept"
+        try:
+            newest = layout.latest_complete(self.root)
+            kept = (
+                f"the previous checkpoint {newest} is intact"
+                if newest
+                else "no checkpoint was kept"
+            )
+        except OSError:
+            kept = "the previous checkpoint could not be checked"
         return KilnError(
             f"could not write the checkpoint of step {step} to {self.root} ({cause}); {kept}. "
             "Free space or fix the permissions of checkpoint.dir, then resume"

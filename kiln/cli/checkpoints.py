@@ -120,9 +120,12 @@ def say_which_step(given: str, path: Path) -> None:
     """On stderr, the step a run or checkpoint directory resolved to, and every newer one that
     was passed over (damaged, interrupted): the text that follows came from that step."""
     from kiln.checkpoint.layout import resume_candidates
+    from kiln.checkpoint.store import location
 
-    skipped = []
-    if Path(given).resolve() != path.resolve():
+    skipped, named, target = [], location(given), path
+    if isinstance(named, Path):  # a folder may be named by a relative path or a link
+        named, target = named.resolve(), Path(path).resolve()
+    if named != target:
         _, skipped = resume_candidates(path.parent)
     for passed_over in skipped:
         print(f"kiln generate: {passed_over.message()}", file=sys.stderr)

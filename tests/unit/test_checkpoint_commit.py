@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import kiln.checkpoint.layout
 import kiln.checkpoint.saver
+import kiln.checkpoint.store
 import kiln.train.trainer
 from kiln.checkpoint import load_checkpoint
 from kiln.checkpoint.layout import damage, resolve_checkpoint
@@ -197,13 +197,13 @@ def test_a_commit_fsyncs_every_file_and_folder_before_it_is_published(
     """Each file of the checkpoint, its folders, the marker and `latest` reach the disk, and the
     partial folder's contents before the rename that publishes them."""
     synced: list[Path] = []
-    real_fsync = kiln.checkpoint.layout.os.fsync
+    real_fsync = kiln.checkpoint.store.os.fsync
 
     def fsync(fd):
         synced.append(Path(f"/proc/self/fd/{fd}").resolve())
         real_fsync(fd)
 
-    monkeypatch.setattr(kiln.checkpoint.layout.os, "fsync", fsync)
+    monkeypatch.setattr(kiln.checkpoint.store.os, "fsync", fsync)
     trainer = make_trainer(debug_overrides, "--train.max_steps=8")
     trainer.train_step()
     trainer.save()
