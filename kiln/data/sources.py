@@ -156,7 +156,8 @@ def training_tokenizer(cfg: DataConfig, sources: list[Source]) -> Path | None:
 
 def ensure_local_data(cfg: DataConfig, cache_dir: Path) -> None:
     """Build what training reads and is missing: the built-in corpus, Hugging Face datasets
-    tokenized into `cache_dir`. Run by one rank while the others wait."""
+    downloaded into their cache and (eager ones) tokenized into `cache_dir`. Run by one rank
+    while the others wait."""
     for entry in dataset_entries(cfg):
         if entry.source == "demo":
             ensure_demo_corpus(Path(entry.path))
@@ -164,6 +165,12 @@ def ensure_local_data(cfg: DataConfig, cache_dir: Path) -> None:
             from kiln.data.hf_source import prepare_hf_cache
 
             prepare_hf_cache(entry, tokenizer_path=cfg.tokenizer, cache_dir=cache_dir)
+        elif entry.source == "hf":
+            from kiln.data.hf_datasets import open_hf_dataset
+
+            # A Hub dataset or files at a URL are downloaded once, here, before every rank
+            # opens them from the cache.
+            open_hf_dataset(entry.path, entry.split)
 
 
 def _prepared_path(entry: DatasetSource, cfg: DataConfig, cache_dir: Path) -> Path | str:

@@ -3,9 +3,11 @@ streaming (tokenized while training, position saved). Real `datasets` folders, r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
+import fsspec
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from kiln.data.sources import ensure_local_data, open_training_data
 from kiln.errors import ConfigError, KilnError
 from kiln.train.trainer import Trainer
 from tests.conftest import DEBUG_CONFIG
+from tests.support.servers import http_server, make_bucket
 
 SEQ = 16
 
@@ -254,3 +257,27 @@ def test_training_on_a_streamed_dataset_resumes_bitwise(saved, tokenizer, tmp_pa
     second = trainer("interrupted")
     assert second.step == 2
     assert [second.train_step()[0].item() for _ in range(4)] == expected[2:]
+
+
+def test_a_stream_of_files_at_a_url_reads_like_the_saved_dataset(
+    saved, tokenizer, tmp_path, s3_env, s3_endpoint, monkeypatch
+):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    lines = "".join(json.dumps({"content": text}) + "\n" for text in texts())
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "code.jsonl").write_text(lines)
+    make_bucket(s3_endpoint, "streams")
+    fsspec.filesystem("s3").pipe("streams/code/part-0.jsonl", lines.encode())
+    expected = streamer(saved, tokenizer, 1, 2)
+    windows = [expected.take() for _ in range(12)]
+    with http_server(tmp_path / "web") as url:
+        for path in (f"{url}/code.jsonl", "s3://streams/code/*.jsonl"):
+            remote = StreamingSamples(
+                entry(path, streaming=True),
+                tokenizer_path=tokenizer,
+                seq_len=SEQ,
+                data_rank=1,
+                data_ranks=2,
+            )
+            for k, window in enumerate(windows):
+                assert (remote.take() == window).all(), (path, k)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import huggingface_hub.constants
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -120,14 +121,16 @@ def test_hub_dataset_from_the_local_cache(
     cache = tmp_path / "cache"
     cache_hub_dataset(cache, "kiln-test/tiny", TEXTS[:4])
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-    # Undone after the test: prepare switches the library offline for the whole process.
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # HF_HUB_OFFLINE=1 as the user sets it (the library reads it at import): the cache only.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     out = prepare(["hf:kiln-test/tiny"], tokenizer_file, tmp_path / "out", text_key="content")
     assert documents(out) == TEXTS[:4]
-    assert datasets.config.HF_HUB_OFFLINE
     assert read_index(out)["sources"][0]["dataset"] == "hf:kiln-test/tiny"
-    with pytest.raises(KilnError, match="kiln-test/absent is not in the local Hugging Face cache"):
+    with pytest.raises(
+        KilnError,
+        match=r"kiln-test/absent is not in the local Hugging Face cache.*HF_HUB_OFFLINE is set",
+    ):
         prepare(["hf:kiln-test/absent"], tokenizer_file, tmp_path / "absent")
     with pytest.raises(KilnError, match="cannot load hf:kiln-test/tiny:other from the local"):
         prepare(["hf:kiln-test/tiny:other"], tokenizer_file, tmp_path / "absent")
