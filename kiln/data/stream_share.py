@@ -148,8 +148,8 @@ def resume_positions(
     new = relayout(layout, positions, ranks)
     moved = [Position(*new.first_document(r)) for r in range(ranks)]
     note = (
-        f"saved by {layout.ranks} data rank(s), continued on {ranks}: every rank now reads every "
-        f"{ranks}th document from document {new.start} on, skipping the documents (and parts "
-        "of documents) already trained on, so no document is repeated or left out"
+        f"saved by {layout.ranks} data rank(s), continued on {ranks}: rank r now reads documents "
+        f"{new.start} + r, {new.start} + r + {ranks}, ..., skipping the documents (and parts of "
+        "documents) already trained on, so no token is repeated or left out"
     )
     return new, moved, note
