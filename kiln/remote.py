@@ -111,7 +111,10 @@ def open_at(location: str, offset: int) -> Any:
     """`location` opened for reading bytes, positioned at `offset`. Object stores seek; an HTTP
     server that ignores range requests is read from the start and `offset` bytes dropped."""
     fs = filesystem(location)
-    file = _ranged(fs, location, offset)
+    web = protocol(location) in ("http", "https")
+    # From the start, HTTP streams: one request, whether or not the server reads ranges (a
+    # range-less one passes a probe at byte 0 and fails at the second block).
+    file = None if web and offset == 0 else _ranged(fs, location, offset)
     if file is not None:
         return file
     stream = fs.open(location, "rb", block_size=0)

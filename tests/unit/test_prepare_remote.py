@@ -17,6 +17,7 @@ from kiln.data import TokenDataset, prepare_dataset, read_index
 from kiln.data import units as units_module
 from kiln.data.tokenizer import train_bpe_tokenizer
 from kiln.errors import KilnError
+from kiln.remote import open_at
 from tests.support.servers import http_server, make_bucket
 
 TEXTS = [f"row {i}: print({i} * 'ab')  # é {i % 5}\n" for i in range(90)]
@@ -146,3 +147,14 @@ def test_missing_s3_object_or_bucket(
         with pytest.raises(KilnError, match=rf"cannot read {url.replace('*', '.')}: {message}"):
             prepare([url], tokenizer_file, out)
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_open_at_any_offset_of_a_server_without_ranges(tmp_path: Path) -> None:
+    """Python's HTTP server ignores range requests: a file larger than fsspec's 5 MB block is
+    streamed from the start, wherever the reader starts."""
+    data = bytes(range(256)) * (6 * 2**20 // 256)
+    (tmp_path / "big.jsonl").write_bytes(data)
+    with http_server(tmp_path) as base:
+        for offset in (0, 1, 5 * 2**20 + 3):
+            with open_at(f"{base}/big.jsonl", offset) as file:
+                assert file.read() == data[offset:]
