@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kiln.checkpoint import layout, saver
+from kiln.checkpoint import layout, saver, store
 from kiln.config import load_config
 from kiln.data.demo_corpus import ensure_demo_corpus
 from kiln.events import read_events
@@ -83,7 +83,8 @@ def summarize(arm: dict, interval: int, steps: int) -> dict:
 def commit_cost(args, data: Path, root: Path) -> dict:
     """Median time of rank 0's commit with the fsyncs and with them a no-op, arms alternating."""
     times: dict[str, list[float]] = {"fsync": [], "no fsync": []}
-    real_commit, real_sync = layout.commit, layout.sync_path
+    # The filesystem's commit (LocalStore.publish) calls store.sync_path.
+    real_commit, real_sync = layout.commit, store.sync_path
 
     def timed_commit(commit_root, step):
         started = time.perf_counter()
@@ -95,10 +96,10 @@ def commit_cost(args, data: Path, root: Path) -> dict:
     try:
         for round_ in range(args.rounds):
             for current in ("fsync", "no fsync") if round_ % 2 == 0 else ("no fsync", "fsync"):
-                layout.sync_path = real_sync if current == "fsync" else (lambda path: None)
+                store.sync_path = real_sync if current == "fsync" else (lambda path: None)
                 run_arm(args, data, root / f"commit_{round_}_{current}", "sync")
     finally:
-        layout.commit, layout.sync_path = real_commit, real_sync
+        layout.commit, store.sync_path = real_commit, real_sync
     return {name: statistics.median(values) for name, values in times.items()}
 
 

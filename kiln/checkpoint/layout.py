@@ -22,12 +22,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.checkpoint.store import Location, location, store_for, sync_path
+from kiln.checkpoint.store import MARKER, Location, location, store_for, sync_path
 from kiln.errors import KilnError
 
-__all__ = ["sync_path"]  # saver and older callers reach the local fsync here
+__all__ = ["MARKER", "sync_path"]  # names other modules have always imported from here
 
-MARKER = "COMPLETE"
 LATEST = "latest"
 TRAIN_STATE = "train_state.json"
 _STEP_RE = re.compile(r"^step_(\d{8})$")

@@ -14,14 +14,13 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kiln.checkpoint.store import Location, StoreError
+from kiln.checkpoint.store import MARKER, Location, StoreError
 from kiln.errors import KilnError
 from kiln.remote import filesystem, protocol, reach_error
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
 
-MARKER = "COMPLETE"
 _Result = TypeVar("_Result")
 
 

@@ -217,7 +217,10 @@ class CheckpointSaver:
 
     def _commit(self, step: int) -> None:
         final = layout.commit(self.root, step)
-        layout.prune(self.root, self.keep_last_n, keep=final)
+        # Retention is best effort (on disk an rmtree that ignores errors): failing to delete an
+        # old step must not undo the commit just made, which _attempt would on an OSError.
+        with contextlib.suppress(OSError):
+            layout.prune(self.root, self.keep_last_n, keep=final)
 
     def _attempt(self, step: int, action) -> str | None:
         """Run `action`; on an OS error return the message that every rank will raise."""

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 
+MARKER = "COMPLETE"  # a checkpoint's commit marker: its step and every file with its size
+
+
 @dataclass(frozen=True, order=True)
 class ObjectPath:
     """A key prefix or object in an object store, as a URL without a trailing slash."""
@@ -123,7 +126,7 @@ class LocalStore:
             sync_path(file)
         for folder in sorted((p for p in partial.rglob("*") if p.is_dir()), reverse=True):
             sync_path(folder)
-        _replace_synced(partial / "COMPLETE", marker)
+        _replace_synced(partial / MARKER, marker)
         sync_path(partial)
         if final.exists():
             shutil.rmtree(final)
