@@ -26,7 +26,8 @@ import datasets
 
 from benchmarks.prepare_throughput import stdlib_texts, train_tokenizer
 from kiln.config.sections import DatasetSource
-from kiln.data.hf_source import StreamingSamples
+from kiln.data.hf_source import STREAM_ROWS, StreamingSamples
+from kiln.data.tokenizer import load_tokenizer
 
 
 def rank_seconds(entry: DatasetSource, tokenizer: Path, *, rank: int, ranks: int, args) -> float:
@@ -38,6 +39,19 @@ def rank_seconds(entry: DatasetSource, tokenizer: Path, *, rank: int, ranks: int
     for _ in range(args.steps * args.global_batch // ranks):
         samples.take()
     return time.perf_counter() - start
+
+
+def bare_tokens_per_second(texts: list[str], tokenizer: Path, tokens: int) -> float:
+    """A plain `encode_batch_fast` loop over texts in memory, until it has `tokens` tokens."""
+    encoder = load_tokenizer(tokenizer)
+    start, done = time.perf_counter(), 0
+    for first in range(0, len(texts), STREAM_ROWS):
+        done += sum(
+            len(e.ids) for e in encoder.encode_batch_fast(texts[first : first + STREAM_ROWS])
+        )
+        if done >= tokens:
+            break
+    return done / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -56,16 +70,19 @@ def main() -> None:
         tokenizer = train_tokenizer(texts, args.vocab_size, root / "tokenizer.json")
         entry = DatasetSource(name="data", source="hf", path=str(root / "rows"), streaming=True)
         times: dict[int, list[list[float]]] = {1: [], 2: [], 4: []}
-        for _ in range(args.repeats):
-            for ranks, rounds in times.items():
-                rounds.append(
+        tokens = args.steps * args.global_batch * args.seq_len
+        bare = [bare_tokens_per_second(texts, tokenizer, tokens) for _ in range(args.repeats)]
+        for repeat in range(args.repeats):
+            order = list(times)[repeat % 3 :] + list(times)[: repeat % 3]  # who goes first rotates
+            for ranks in order:
+                times[ranks].append(
                     [
                         rank_seconds(entry, tokenizer, rank=r, ranks=ranks, args=args)
                         for r in range(ranks)
                     ]
                 )
-    tokens = args.steps * args.global_batch * args.seq_len
     one = statistics.median(statistics.mean(r) for r in times[1])
+    print(f"bare encode_batch_fast, one thread: {statistics.median(bare) / 1e6:.2f} M tokens/s")
     print(
         f"{args.steps} steps x {args.global_batch} windows x {args.seq_len} tokens = {tokens:,} tokens"
     )

@@ -29,7 +29,9 @@ from kiln.data.tokenizer import encode_ids, eos_id, load_tokenizer, tokenizer_ha
 from kiln.errors import KilnError
 from kiln.log import info
 
-ENCODE_BATCH = 256
+# Rows a streaming rank reads and tokenizes at once: enough for the tokenizer's batch call to pay,
+# few enough that a rank does not tokenize far ahead of what its steps take.
+STREAM_ROWS = 64
 
 
 def hf_cache_path(entry: DatasetSource, *, tokenizer_path: str, cache_dir: Path) -> Path:
@@ -119,8 +121,14 @@ class StreamingSamples:
         """This rank's next window."""
         need = self.seq_len + 1
         self._fill(need)
-        window = np.concatenate([tokens for _, _, tokens in self._pending])
-        window = window[self._offset : self._offset + need]
+        # Only the pieces the window takes: a long document stays pending for many windows.
+        pieces, start, left = [], self._offset, need
+        for _, _, tokens in self._pending:
+            pieces.append(tokens[start : start + left])
+            left, start = left - len(pieces[-1]), 0
+            if not left:
+                break
+        window = np.concatenate(pieces)
         self._offset += self.seq_len
         # The window left a token of the last document it touched: something stays pending.
         while self._offset >= len(self._pending[0][2]):
@@ -152,7 +160,7 @@ class StreamingSamples:
         share = self.layout.share(self.data_rank, first=first)
         starts = {first: offset}
         while True:
-            chunk = list(itertools.islice(share, ENCODE_BATCH))
+            chunk = list(itertools.islice(share, STREAM_ROWS))
             chunk = [(row, starts.pop(row, read)) for row, read in chunk if row < len(rows)]
             if not chunk:
                 return
