@@ -112,6 +112,7 @@ def _command(where: str, line: str) -> list[tuple[str, list[str], int]]:
     if not _RUNS_KILN.match(line):
         return []
     words = shlex.split(line.removeprefix("$ "), comments=True)
+    words = words[:-1] if words[-1:] == ["&"] else words  # run in the background by the shell
     at = [
         i
         for i, w in enumerate(words)
