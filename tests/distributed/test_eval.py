@@ -115,9 +115,9 @@ def test_a_checkpoint_deleted_while_loading_is_one_clear_message(tmp_path, monke
     text.write_text(" ".join(TEXTS * 6))
     real_load = kiln.checkpoint.checkpointer.dcp.load
 
-    def load_after_retention(state, *, checkpoint_id, **kwargs):
-        shutil.rmtree(checkpoint_id)  # the writing run's keep_last_n removes it meanwhile
-        return real_load(state, checkpoint_id=checkpoint_id, **kwargs)
+    def load_after_retention(state, *, storage_reader, **kwargs):
+        shutil.rmtree(storage_reader.path)  # the writing run's keep_last_n removes it meanwhile
+        return real_load(state, storage_reader=storage_reader, **kwargs)
 
     monkeypatch.setattr(kiln.checkpoint.checkpointer.dcp, "load", load_after_retention)
     assert main(["eval", str(ckpt), "--data", str(text), "--batch-size", "4"]) == 2

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -196,3 +199,34 @@ def test_part_and_parts_come_from_flags_torchrun_or_slurm(monkeypatch: pytest.Mo
     assert part_and_parts(3, 5)[:2] == (3, 5)  # the flags before both
     with pytest.raises(KilnError, match="--parts 5 needs --part I"):
         part_and_parts(None, 5)
+
+
+def test_a_part_killed_mid_write_is_redone_by_its_rerun(tmp_path: Path) -> None:
+    """A real `kill -9` of a part while it writes: its re-run redoes it, nothing twice."""
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=6)) for _ in range(900)]
+    texts = [" ".join(rng.choices(words, k=300)) for _ in range(800)]  # 1.7 MB: about a second
+    corpus = tmp_path / "big.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    tokenizer = tmp_path / "tokenizer.json"
+    train_bpe_tokenizer(texts[:50], vocab_size=300).save(str(tokenizer))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "kiln", "prepare", "--input", str(corpus)]
+    command += ["--tokenizer", str(tokenizer), "--output", str(out), "--num-workers", "0"]
+    command += ["--shard-tokens", "2000", "--parts", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # One 64 MB unit holds the whole file: it is part 1's (parts are balanced by bytes).
+    doomed = subprocess.Popen([*command, "--part", "1"], env=env)
+    staging = out / PARTS_DIR
+    deadline = time.monotonic() + 60
+    while not any(staging.glob(f".{part_name(1, 2)}.tmp-*/shard_*.bin")):
+        assert doomed.poll() is None and time.monotonic() < deadline, "part 1 ended first"
+        time.sleep(0.005)
+    doomed.send_signal(signal.SIGKILL)
+    assert doomed.wait(timeout=30) == -signal.SIGKILL  # killed while writing, not finished
+    assert not (staging / part_name(1, 2)).exists()
+    for part in ("0", "1"):
+        assert subprocess.run([*command, "--part", part], env=env, timeout=120).returncode == 0
+    one = prepare_dataset([corpus], tokenizer, tmp_path / "one", num_workers=0, shard_tokens=2000)
+    assert_same_dataset(one, out)
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
