@@ -7,11 +7,12 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+from tests.support.servers import serving
 
 # Every repository is at this one revision.
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -20,16 +21,8 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 @contextmanager
 def hub_server(root: Path) -> Iterator[str]:
     """Serve the dataset repositories under `root`; yields the endpoint URL for HF_ENDPOINT."""
-    handler = type("HubHandler", (_HubHandler,), {"root": root})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.daemon = True
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(type("HubHandler", (_HubHandler,), {"root": root})) as url:
+        yield url
 
 
 class _HubHandler(http.server.BaseHTTPRequestHandler):

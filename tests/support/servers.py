@@ -9,7 +9,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,6 +66,13 @@ def http_server(root: Path, *, ranges: bool = False) -> Iterator[str]:
     """Serve `root` read-only over HTTP on 127.0.0.1; yields the base URL (no trailing slash).
     With `ranges`, byte-range requests get just their bytes; without, the whole file."""
     handler = functools.partial(_RangeHandler if ranges else _QuietHandler, directory=str(root))
+    with serving(handler) as url:
+        yield url
+
+
+@contextmanager
+def serving(handler: Callable[..., http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server for `handler` on 127.0.0.1, in a thread; yields its URL."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     # A short poll: shutdown() waits up to one poll interval (0.5 s by default).
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
