@@ -90,11 +90,14 @@ class StreamingSamples:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.eos_id = eos_id(self.tokenizer)
         self.vocab_size = self.tokenizer.get_vocab_size()
+        self.dataset = open_hf_dataset(entry.path, entry.split)
+        check_text_column(self.dataset, entry.text_key, entry.path)
         self.seek(None)
 
     def seek(self, saved: dict[str, Any] | None) -> str | None:
         """Continue a `gathered_state` of every rank (None: at the start); returns what was done
         when it was saved by another number of data ranks."""
+        self._check_same_rows(saved)
         self.layout, positions, note = resume_positions(saved, self.data_ranks)
         position = positions[self.data_rank]
         self._sample = position.sample
@@ -114,8 +117,24 @@ class StreamingSamples:
         return {"document": row, "offset": base + self._offset, "sample": self._sample}
 
     def gathered_state(self, positions: list[dict[str, Any]]) -> dict[str, Any]:
-        """What a checkpoint keeps: the layout and every data rank's `position()`, in rank order."""
-        return {**self.layout.to_state(), "positions": positions}
+        """What a checkpoint keeps: the layout and every data rank's `position()`, in rank order,
+        and the dataset's fingerprint, since positions are row numbers."""
+        state = {**self.layout.to_state(), "positions": positions}
+        return {**state, "fingerprint": self.dataset._fingerprint}
+
+    def _check_same_rows(self, saved: dict[str, Any] | None) -> None:
+        """Refuse positions saved over other rows: a Hub dataset with a new revision or files at
+        a URL that changed would put them on other documents, repeating some and skipping others."""
+        saved_print = (saved or {}).get("fingerprint")
+        if saved_print is not None and saved_print != self.dataset._fingerprint:
+            raise KilnError(
+                f"streaming dataset {self.entry.path} ({self.entry.split}) is not the one this "
+                f"checkpoint was streaming (fingerprint {saved_print}, now "
+                f"{self.dataset._fingerprint}): its saved positions are row numbers and would "
+                "point at other documents. Resume with the same data (a Hub dataset at the "
+                "revision the run started with), or start a new run from the checkpoint's "
+                "weights (checkpoint.load_path with checkpoint.model_only = true)"
+            )
 
     def take(self) -> np.ndarray:
         """This rank's next window."""
@@ -154,9 +173,7 @@ class StreamingSamples:
         """(row, first token kept, tokens) of this rank's share from row `first` (whose first
         `offset` tokens were read) on. Empty rows are documents of no tokens (not even an EOS,
         as `kiln prepare` drops them), so document numbers are the dataset's row numbers."""
-        dataset = open_hf_dataset(self.entry.path, self.entry.split)
-        check_text_column(dataset, self.entry.text_key, self.entry.path)
-        rows = dataset.select_columns([self.entry.text_key])
+        rows = self.dataset.select_columns([self.entry.text_key])
         share = self.layout.share(self.data_rank, first=first)
         starts = {first: offset}
         while True:

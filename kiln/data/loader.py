@@ -180,8 +180,10 @@ class BatchLoader:
         out, failure = None, None
         try:
             out = next(batches)
-        except KilnError as error:
-            failure = str(error)
+        except Exception as error:  # any rank's failure stops all: the others would wait
+            failure = (
+                str(error) if isinstance(error, KilnError) else f"{type(error).__name__}: {error}"
+            )
         failures = self.gather(failure) if self.gather else [failure]
         if any(failures):
             raise KilnError(next(f for f in failures if f))

@@ -139,7 +139,9 @@ def resolve_and_describe(
 
 def source_sizes(metadata: dict[str, Any]) -> list[int]:
     """Bytes of every file source (0 for a dataset, whose units are weighed by its rows)."""
-    return [source.get("bytes", 0) for source in metadata["sources"]]
+    # An HTTP server that sends no Content-Length leaves a file's size unknown (None): it then
+    # weighs as little as an empty one when parts are balanced, rather than failing.
+    return [source.get("bytes") or 0 for source in metadata["sources"]]
 
 
 def note_small_vocabulary(learned: int, asked: int) -> None:

@@ -281,3 +281,17 @@ def test_a_stream_of_files_at_a_url_reads_like_the_saved_dataset(
             )
             for k, window in enumerate(windows):
                 assert (remote.take() == window).all(), (path, k)
+
+
+def test_a_stream_resumed_over_other_rows_is_refused(saved, tokenizer, tmp_path):
+    first = streamer(saved, tokenizer)
+    for _ in range(5):
+        first.take()
+    state = gathered([first])
+    other = tmp_path / "other"
+    datasets.Dataset.from_dict({"content": texts()[::-1]}).save_to_disk(other)
+    resumed = StreamingSamples(entry(other, streaming=True), tokenizer_path=tokenizer, seq_len=SEQ)
+    with pytest.raises(KilnError, match="is not the one this checkpoint was streaming"):
+        resumed.seek(state)
+    same = streamer(saved, tokenizer)
+    assert same.seek(state) is None  # the same rows: the fingerprint matches
