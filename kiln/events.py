@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 EVENTS_FILE = "events.jsonl"
 
-Event = Literal["checkpoint", "resume", "nan_skip", "rollback", "stop"]
+Event = Literal["checkpoint", "resume", "nan_skip", "rollback", "stop", "quorum", "not_committed"]
 
 
 class EventLog:

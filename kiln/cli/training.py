@@ -75,9 +75,7 @@ def cmd_train(args) -> int:
 
     # The config is checked before torch is imported: a mistake in it is reported at once,
     # not after the seconds that importing the training stack takes.
-    cfg = load_config(
-        args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1"))
-    )
+    cfg = load_config(args.config, args.overrides, launched=int(os.environ.get("WORLD_SIZE", "1")))
     import torch.distributed as dist
 
     from kiln.resilience.preemption import Preempted

@@ -24,15 +24,20 @@ RECIPE_DIR = SHIPPED_CONFIGS / "train"
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] = (), *, world_size: int | None = None
+    path: str | Path | None,
+    overrides: list[str] = (),
+    *,
+    world_size: int | None = None,
+    launched: int | None = None,
 ) -> JobConfig:
     """Read a TOML recipe, apply `--section.key=value` overrides and build the typed config.
 
-    With `world_size`, also validate against it. Raises ConfigError naming every problem
+    With `world_size` (the job's processes) or `launched` (torchrun's, one replica group's
+    under fault tolerance), also validate against it. Raises ConfigError naming every problem
     (unknown keys, wrong types, invalid values, layout) at once.
     """
     raw = read_toml(find_recipe(path)) if path is not None else {}
-    return config_from_dict(raw, overrides, source=path, world_size=world_size)
+    return config_from_dict(raw, overrides, source=path, world_size=world_size, launched=launched)
 
 
 def config_from_dict(
@@ -41,8 +46,12 @@ def config_from_dict(
     *,
     source: str | Path | None = None,
     world_size: int | None = None,
+    launched: int | None = None,
 ) -> JobConfig:
+    """`world_size`: validate for a job of that many processes; `launched`: for the job of
+    which torchrun launched that many (one replica group under fault tolerance)."""
     from kiln.config.validate import collect_problems
+    from kiln.config.validate_fault_tolerance import job_world_size
 
     problems: list[str] = []
     move_moe_keys(raw.get("model"), "", problems)
@@ -50,6 +59,8 @@ def config_from_dict(
         apply_override(raw, item, problems)
     resolve_model_preset(raw, problems)
     cfg = build_dataclass(JobConfig, raw, "", problems)
+    if launched is not None:
+        world_size = job_world_size(cfg, launched)
     if world_size is not None:
         problems += collect_problems(cfg, world_size)
     if problems:

@@ -347,6 +347,44 @@ class ResilienceConfig:
     collective_timeout_s: float = 600.0
     step_timeout_s: float = 1800.0
     debug_nan_steps: list[int] = field(default_factory=list)
+    # Check every rank before training (kiln/resilience/health.py): on CUDA a timed bf16 matmul
+    # per GPU and its ECC counter, on several ranks a timed all-reduce over the world and each
+    # mesh dimension. A rank that fails or never arrives stops the job at start-up, naming it,
+    # instead of hanging or failing at the first step's collective.
+    preflight: bool = True
+    # A health-check collective that has not completed after this long names the ranks that never
+    # reached it: short enough to fail fast, long enough for one rank's slow GPU check.
+    preflight_timeout_s: float = 120.0
+    # A rank that makes the others wait this long in a health-check all-reduce is named slow (a
+    # warning): above the skew of a loaded machine's scheduler, below a sick host's.
+    preflight_slow_s: float = 2.0
+    # A GPU whose matmul rate is below this fraction of the ranks' median is named slow (a
+    # warning): identical GPUs differ by a few percent; a throttled one by far more.
+    preflight_slow_matmul: float = 0.8
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Replica groups with torchft (docs/fault_tolerance.md): each of distributed.dp_replicate
+    groups is a torchrun job of its own; a group that dies is dropped and the others train on."""
+
+    enabled: bool = False
+    # This process's replica group, 0 .. dp_replicate - 1 (each group's launch sets its own).
+    replica_group: int = 0
+    # The lighthouse that forms each step's quorum (http://host:29510); empty: $TORCHFT_LIGHTHOUSE.
+    lighthouse: str = ""
+    # Steps commit only while at least this many groups are in the quorum.
+    min_replicas: int = 1
+    # How long a step waits for its quorum: past the lighthouse's heartbeat timeout, so that a
+    # dead group is dropped rather than failing the survivors' step.
+    quorum_timeout_s: float = 60.0
+    # Collectives across groups and a peer's state transfer fail after this long.
+    timeout_s: float = 60.0
+    # Start-up waits this long for the lighthouse before giving up.
+    connect_timeout_s: float = 30.0
+    # A group gives up after this many steps in a row that could not commit (a recovery that
+    # keeps failing, a lost peer in every step) instead of retrying forever.
+    max_failed_steps: int = 5
 
 
 @dataclass
@@ -400,5 +438,6 @@ class JobConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

@@ -15,6 +15,7 @@ from kiln.config.pipeline import (
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
 from kiln.config.validate_deepseek import deepseek_problems
 from kiln.config.validate_eval import eval_task_problems
+from kiln.config.validate_fault_tolerance import fault_tolerance_problems
 from kiln.config.validate_float8 import float8_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
 from kiln.config.validate_observability import observability_problems
@@ -38,7 +39,7 @@ def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems += _train_problems(cfg)
     problems += optimizer_problems(cfg) + float8_problems(cfg)
     problems += _data_problems(cfg) + _eval_problems(cfg) + eval_task_problems(cfg)
-    problems += observability_problems(cfg, world_size)
+    problems += observability_problems(cfg, world_size) + fault_tolerance_problems(cfg)
     return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 
 
@@ -169,6 +170,16 @@ def _train_problems(cfg: JobConfig) -> list[str]:
         p.append(
             "resilience.collective_timeout_s must be > 0 and resilience.step_timeout_s >= 0 "
             "(0 turns the step watchdog off)"
+        )
+    if r.preflight_timeout_s <= 0 or r.preflight_slow_s <= 0:
+        p.append(
+            "resilience.preflight_timeout_s and resilience.preflight_slow_s must be > 0 (seconds), "
+            f"got {r.preflight_timeout_s} and {r.preflight_slow_s}"
+        )
+    if not 0 < r.preflight_slow_matmul <= 1:
+        p.append(
+            "resilience.preflight_slow_matmul must be in (0, 1] (a fraction of the ranks' median "
+            f"matmul rate), got {r.preflight_slow_matmul}"
         )
     if r.nan_action == "rollback" and not c.interval:
         p.append(

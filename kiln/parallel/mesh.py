@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,10 @@ class ParallelContext:
     device: torch.device
     degrees: dict[str, int]
     mesh: DeviceMesh | None = None
+    # Under fault tolerance the dp_replicate slices are torchft replica groups, each a job of
+    # its own: `degrees` and `mesh` are this group's (dp_replicate 1), `world_size` its ranks.
+    replica_group: int = 0
+    replica_groups: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -37,6 +41,11 @@ class ParallelContext:
     @property
     def data_ranks(self) -> int:
         """Ranks that read different samples (tp/cp/pp ranks of one replica read the same ones)."""
+        return self.group_data_ranks * self.replica_groups
+
+    @property
+    def group_data_ranks(self) -> int:
+        """The data ranks of this process's replica group (all of them without fault tolerance)."""
         return self.degrees["dp_replicate"] * self.degrees["dp_shard"] * self.degrees["ep"]
 
     @property
@@ -47,14 +56,16 @@ class ParallelContext:
 
     @property
     def data_rank(self) -> int:
+        """Numbered as under HSDP: replica group (or dp_replicate slice), dp_shard, ep."""
         if self.mesh is None:
-            return 0
+            return self.replica_group * self.group_data_ranks
         coords = {
             name: self.mesh.get_local_rank(name) for name in ("dp_replicate", "dp_shard", "ep")
         }
-        return (
+        in_group = (
             coords["dp_replicate"] * self.degrees["dp_shard"] + coords["dp_shard"]
         ) * self.degrees["ep"] + coords["ep"]
+        return self.replica_group * self.group_data_ranks + in_group
 
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The FSDP mesh of the dense parameters: over the ranks that hold different tokens and
@@ -128,16 +139,26 @@ class ParallelContext:
 
 
 def init_parallel(
-    dist_cfg: DistributedConfig, device: torch.device, *, timeout_s: float = 600
+    dist_cfg: DistributedConfig,
+    device: torch.device,
+    *,
+    timeout_s: float = 600,
+    replica_group: int | None = None,
 ) -> ParallelContext:
     """Join the job torchrun started (WORLD_SIZE, RANK, LOCAL_RANK) and build the mesh.
 
-    gloo on CPU, NCCL on GPU; one process skips the process group entirely.
+    gloo on CPU, NCCL on GPU; one process skips the process group entirely. With
+    `replica_group` (fault tolerance) the job torchrun started is that one replica group of
+    dist_cfg.dp_replicate, and the mesh spans it alone.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    groups = {}
+    if replica_group is not None:
+        groups = {"replica_group": replica_group, "replica_groups": dist_cfg.dp_replicate}
+        dist_cfg = replace(dist_cfg, dp_replicate=1)
     degrees = resolve_layout(dist_cfg, world_size)
     if world_size == 1:
-        return ParallelContext(rank=0, world_size=1, device=device, degrees=degrees)
+        return ParallelContext(rank=0, world_size=1, device=device, degrees=degrees, **groups)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -154,7 +175,12 @@ def init_parallel(
         mesh_dim_names=MESH_DIMS,
     )
     return ParallelContext(
-        rank=dist.get_rank(), world_size=world_size, device=device, degrees=degrees, mesh=mesh
+        rank=dist.get_rank(),
+        world_size=world_size,
+        device=device,
+        degrees=degrees,
+        mesh=mesh,
+        **groups,
     )
 
 

@@ -31,6 +31,7 @@ from kiln.parallel.fsdp import gradient_average_compensation
 from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.mixed_precision import training_autocast
 from kiln.parallel.pipeline import tied_weights
+from kiln.parallel.replica_groups import ReplicaGroups
 from kiln.resilience.nan_injection import NanInjection
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
@@ -58,6 +59,8 @@ class StepResult(NamedTuple):
     time_up: bool  # rank 0 found train.time_limit_minutes close
     save_written: bool  # every rank has written its part of the save in flight
     param_grad_norms: dict[str, float] | None = None  # metrics.param_grad_norms
+    # Fault tolerance: False when a replica group failed during the step (nothing updated).
+    committed: bool = True
 
 
 class TrainStep:
@@ -69,8 +72,11 @@ class TrainStep:
         model_parts: list[nn.Module],
         optimizers: list[list[torch.optim.Optimizer]],
         sources: list[Source],
+        replicas: ReplicaGroups | None = None,
     ):
         self.cfg, self.parallel, self.device = cfg, parallel, parallel.device
+        # Fault tolerance: what HSDP sums over dp_replicate is summed over the live groups.
+        self.replicas = replicas
         self.model_parts, self.optimizers = model_parts, optimizers
         pipelined = parallel.degrees["pp"] > 1
         self.pipeline_group = parallel.mesh["pp"].get_group() if pipelined else None
@@ -125,7 +131,10 @@ class TrainStep:
         # This rank's valid tokens, summed over the ranks holding the others (data and cp);
         # clamp: a step whose tokens are all masked contributes zero, not NaN.
         valid = sum(count_valid(labels) for _, labels, _ in micro_batches)
-        valid = sum_over(valid, self.parallel.data_group()).clamp(min=1)
+        valid = sum_over(valid, self.parallel.data_group())
+        if self.replicas is not None:
+            self.replicas.sum([valid])
+        valid = valid.clamp(min=1)
         total = torch.zeros((), device=self.device)
         options = self.forward_options | {
             k: v for h in self.hooks for k, v in h.forward_kwargs().items()
@@ -140,14 +149,19 @@ class TrainStep:
             total += losses.sum()
             for hook in self.hooks:
                 hook.after_backward(index, losses, labels)
-        grad_norm, per_param = self._clip()
         # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
-        loss = sum_over(sum_over(total, self.pipeline_group), self.parallel.data_group()) / valid
+        total = sum_over(sum_over(total, self.pipeline_group), self.parallel.data_group())
+        if self.replicas is not None:
+            self.replicas.sum_gradients(self._params(), extra=[total])
+        grad_norm, per_param = self._clip()
+        loss = total / valid
         agreed = self._agree(loss, grad_norm, flags)
-        lr = self._update(step, skip=agreed["non_finite"])
+        committed = self.replicas.commit(step) if self.replicas is not None else True
+        skip = agreed["non_finite"] or not committed
+        lr = self._update(step, skip=skip)
         for hook in self.hooks:
-            hook.after_update(skipped=agreed["non_finite"])
-        tokens = sum(inputs.numel() for inputs, _ in read) * self.parallel.data_ranks
+            hook.after_update(skipped=skip)
+        tokens = sum(inputs.numel() for inputs, _ in read) * self._live_data_ranks()
         return StepResult(
             loss,
             grad_norm,
@@ -158,7 +172,17 @@ class TrainStep:
             time_up=agreed["time_up"],
             save_written=not agreed["save_pending"],
             param_grad_norms=per_param,
+            committed=committed,
         )
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+
+    def _live_data_ranks(self) -> int:
+        """The data ranks that trained this step: under fault tolerance, the live groups'."""
+        if self.replicas is None:
+            return self.parallel.data_ranks
+        return self.parallel.group_data_ranks * self.replicas.last.participants
 
     def _clip(self) -> tuple[torch.Tensor, dict[str, float] | None]:
         """Sum the tied weight's two gradients, then clip: the gradient norm before clipping, and
@@ -171,7 +195,7 @@ class TrainStep:
                 self.model_parts, pipeline_group=self.pipeline_group, duplicates=self.duplicates
             )
         grad_norm = clip_grad_norm(
-            [p for part in self.model_parts for p in part.parameters()],
+            self._params(),
             self.cfg.train.grad_clip_norm,
             pipeline_group=self.pipeline_group,
             duplicates=self.duplicates,

@@ -12,8 +12,10 @@ import torch
 from torch.profiler import record_function
 
 from kiln.checkpoint.fingerprint import run_fingerprint
-from kiln.checkpoint.manager import CheckpointManager
+from kiln.checkpoint.manager import CheckpointManager, StartPoint
+from kiln.checkpoint.peer_state import check_same_run, load_local_state, local_state
 from kiln.config import JobConfig, validate, write_config
+from kiln.config.validate_fault_tolerance import job_world_size
 from kiln.data.loader import BatchLoader
 from kiln.data.sources import ensure_local_data, open_data, training_tokenizer
 from kiln.errors import KilnError, first_line
@@ -30,6 +32,7 @@ from kiln.parallel.apply import apply_parallelism
 from kiln.parallel.collectives import is_collective_failure
 from kiln.parallel.device import pick_device
 from kiln.parallel.mesh import init_parallel
+from kiln.parallel.replica_groups import group_run_config, join_replica_groups
 from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog
 from kiln.resilience.preemption import Preempted
 from kiln.resilience.time_limit import TimeLimit
@@ -42,11 +45,17 @@ from kiln.train.task_eval import TaskEval
 
 class Trainer:
     def __init__(self, cfg: JobConfig, *, world_size: int | None = None):
-        validate(cfg, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+        validate(cfg, world_size or job_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
+        cfg = group_run_config(cfg)  # fault tolerance: each replica group logs on its own
         self.cfg, self.run_dir = cfg, Path(cfg.metrics.run_dir)
         device = pick_device(cfg.train.device)
         self.parallel = init_parallel(
-            cfg.distributed, device, timeout_s=cfg.resilience.collective_timeout_s
+            cfg.distributed,
+            device,
+            timeout_s=cfg.resilience.collective_timeout_s,
+            replica_group=cfg.fault_tolerance.replica_group
+            if cfg.fault_tolerance.enabled
+            else None,
         )
         self.device = self.parallel.device
         self.events = EventLog(self.run_dir, enabled=self.parallel.is_main)
@@ -65,12 +74,20 @@ class Trainer:
         for part in self.model_parts:
             materialize(part, device=self.device, seed=seed)
         self.optimizers = build_optimizers(self.model_parts, cfg, device=self.device)
+        self.replicas = join_replica_groups(
+            cfg,
+            self.parallel,
+            state_fn=self._peer_state,
+            load_fn=self._load_peer_state,
+            events=self.events,
+        )
         self.step_fn = TrainStep(
             cfg,
             self.parallel,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             sources=self.sources,
+            replicas=self.replicas,
         )
         self.tasks = TaskEval(cfg, self.parallel, self.model_parts, sources=self.sources)
         self.loader = BatchLoader.for_training(
@@ -84,11 +101,10 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         if start.train_state is not None:  # before any weight is read
             self.loader.check_order(start.train_state)
-        state = self.checkpoints.restore(start, model=self.model_parts, optimizer=self.optimizers)
-        if state is not None:
-            self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
-            self.loader.load_state_dict(state)
-        optimizer_train_point(self.optimizers)  # a checkpoint holds Schedule-Free's eval point
+        # Fault tolerance: the first step's quorum tells whether a live group sends the state.
+        self.start = start if self.replicas is not None else None
+        if self.replicas is None:
+            self._restore(start)
         self.nan_guard = NanGuard.from_config(cfg.resilience)
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
@@ -118,6 +134,8 @@ class Trainer:
                 f"why); the job resumes from {self.checkpoints.newest() or 'scratch'} when restarted"
             ) from None
         finally:
+            if self.replicas is not None:
+                self.replicas.close()
             watchdog.close()
             preemption.restore()
             profiler.close()
@@ -145,6 +163,8 @@ class Trainer:
                 stop_requested=preemption.received is not None, time_up=self._time_up()
             )
             watchdog.disarm()
+            if not result.committed:
+                continue  # nothing trained: the next batch redoes the step
             log.add(result.loss, result.tokens)
             if log.due(self.step):
                 records.append(self._log(result, log))
@@ -171,12 +191,45 @@ class Trainer:
         gradient norm. The flags of the result are agreed by all ranks."""
         pending = not self.checkpoints.written_locally()
         flags = StepFlags(stop=stop_requested, time_up=time_up, save_pending=pending)
+        if self.replicas is not None:
+            self._quorum()
         with record_function("data"):
             batch = self.loader.next_step()
         result = self.step_fn(batch, step=self.step + 1, flags=flags)
-        self.step += 1
-        self.tokens_seen += result.tokens
+        if result.committed:  # a step a peer failed in is not counted; its samples are skipped
+            self.step += 1
+            self.tokens_seen += result.tokens
         return result
+
+    def _quorum(self) -> None:
+        """Fault tolerance: join this step's quorum. At the first step a group that a live peer
+        did not bring up to date starts from the checkpoint (or scratch) instead."""
+        quorum = self.replicas.start_step(self.step + 1)
+        if self.start is not None and not quorum.healed:
+            self._restore(self.start)
+        self.start = None
+        self.replicas.set_step(self.step)
+
+    def _restore(self, start: StartPoint) -> None:
+        state = self.checkpoints.restore(start, model=self.model_parts, optimizer=self.optimizers)
+        if state is not None:
+            self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
+            self.loader.load_state_dict(state)
+        optimizer_train_point(self.optimizers)  # a checkpoint holds Schedule-Free's eval point
+
+    def _peer_state(self) -> dict:
+        """What a live group sends a rejoining one (at a step boundary)."""
+        train = self.loader.state_dict() | {"step": self.step, "tokens_seen": self.tokens_seen}
+        parts = local_state(self.model_parts, self.optimizers)
+        same_run = self.fingerprint() | {"layout": self.parallel.degrees}
+        return {"fingerprint": same_run, "parts": parts, "train": train}
+
+    def _load_peer_state(self, state: dict) -> None:
+        same_run = self.fingerprint() | {"layout": self.parallel.degrees}
+        check_same_run(self.parallel.replica_group, peer=state["fingerprint"], own=same_run)
+        load_local_state(self.model_parts, self.optimizers, state["parts"])
+        self.step, self.tokens_seen = state["train"]["step"], state["train"]["tokens_seen"]
+        self.loader.load_state_dict(state["train"])
 
     def _step_log(self) -> StepLog:
         return StepLog(
@@ -278,6 +331,8 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint this step (in the background with checkpoint.async_mode = "async"), with
         Schedule-Free's weights at their evaluation point (an async save has copied them)."""
+        if self.replicas is not None and not self.replicas.writes_checkpoints():
+            return  # another replica group writes the run's checkpoints
         with optimizer_eval_point(self.optimizers), record_function("checkpoint"):
             self.checkpoints.save(
                 self.step,

@@ -1,0 +1,61 @@
+"""Problems with [fault_tolerance], found before anything is built or any process starts."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from kiln.config.sections import JobConfig
+
+
+def job_world_size(cfg: JobConfig, launched: int) -> int:
+    """The job's processes when torchrun launched `launched`: under fault tolerance that is one
+    replica group, and the job is distributed.dp_replicate of them."""
+    return launched * cfg.distributed.dp_replicate if cfg.fault_tolerance.enabled else launched
+
+
+def fault_tolerance_problems(cfg: JobConfig) -> list[str]:
+    ft, groups, p = cfg.fault_tolerance, cfg.distributed.dp_replicate, []
+    if not ft.enabled:
+        return p
+    if groups < 2:
+        return [
+            "fault_tolerance.enabled needs distributed.dp_replicate >= 2: each dp_replicate "
+            "slice is a replica group that can die and rejoin while the others train, and with "
+            f"dp_replicate = {groups} there is no other group to train on. Set "
+            "distributed.dp_replicate to the number of groups (each a torchrun job of its own), "
+            "or turn fault_tolerance.enabled off"
+        ]
+    if not 0 <= ft.replica_group < groups:
+        p.append(
+            f"fault_tolerance.replica_group = {ft.replica_group} is not one of the "
+            f"{groups} groups (0 .. {groups - 1}, distributed.dp_replicate = {groups}): give "
+            "each group's launch its own --fault_tolerance.replica_group"
+        )
+    if not 1 <= ft.min_replicas <= groups:
+        p.append(
+            f"fault_tolerance.min_replicas must be between 1 and distributed.dp_replicate "
+            f"({groups}), got {ft.min_replicas}: steps commit only while that many groups live"
+        )
+    for key in ("quorum_timeout_s", "timeout_s", "connect_timeout_s"):
+        if getattr(ft, key) <= 0:
+            p.append(f"fault_tolerance.{key} must be > 0 seconds, got {getattr(ft, key)}")
+    if ft.max_failed_steps < 1:
+        p.append(f"fault_tolerance.max_failed_steps must be >= 1, got {ft.max_failed_steps}")
+    if _streams(cfg):
+        p.append(
+            "fault_tolerance.enabled reads prepared (or tokenized) datasets only: a streamed "
+            "dataset's position lives on the ranks that read it, and a group that rejoins "
+            "could not take it from a peer. Prepare the data (kiln prepare) or set "
+            "data.streaming = false"
+        )
+    # Looked up, not imported: validation does not pay for torchft's import.
+    if importlib.util.find_spec("torchft") is None:
+        p.append(
+            "fault_tolerance.enabled needs the torchft package, which is not installed: "
+            "pip install 'kiln[ft]'"
+        )
+    return p
+
+
+def _streams(cfg: JobConfig) -> bool:
+    return cfg.data.streaming or any(d.streaming for d in cfg.data.datasets)

@@ -1,0 +1,238 @@
+"""Replica groups with torchft (docs/fault_tolerance.md). Each dp_replicate slice is a torchrun
+job of its own; before every step a quorum over the lighthouse decides which groups train it.
+Inside a step the groups sum what plain HSDP sums over dp_replicate (the valid token count, the
+gradients, the loss) over the groups in the quorum; a group that rejoins receives the weights,
+optimizer state and data position from a live peer in the quorum that admits it, and a step
+that lost a peer midway commits nowhere and is not counted."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+
+from kiln.config.sections import FaultToleranceConfig, JobConfig
+from kiln.errors import ConfigError, KilnError, first_line
+from kiln.events import EventLog
+from kiln.parallel.agree import decide_on_main
+from kiln.parallel.mesh import ParallelContext
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The groups training this step: how many, and this group's place among them."""
+
+    participants: int
+    replica_rank: int
+    healed: bool  # this group received its state from a peer before the step
+
+
+class ReplicaGroups:
+    """This process's part in the torchft quorum of its replica group."""
+
+    def __init__(
+        self,
+        cfg: FaultToleranceConfig,
+        parallel: ParallelContext,
+        *,
+        state_fn: Callable[[], dict[str, Any]],
+        load_fn: Callable[[dict[str, Any]], None],
+        events: EventLog,
+    ):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        self.cfg, self.group, self.events = cfg, parallel.replica_group, events
+        self.lighthouse = lighthouse_address(cfg)
+        decide_on_main(
+            lambda: check_reachable(self.lighthouse, timeout_s=cfg.connect_timeout_s),
+            what="reach the fault-tolerance lighthouse",
+        )
+        self._healed = False
+
+        def load(state: dict[str, Any]) -> None:
+            load_fn(state)
+            self._healed = True
+
+        timeout = timedelta(seconds=cfg.timeout_s)
+        pg_type = ProcessGroupNCCL if parallel.device.type == "cuda" else ProcessGroupGloo
+        self.manager = Manager(
+            pg=pg_type(timeout=timeout),
+            load_state_dict=load,
+            state_dict=state_fn,
+            min_replica_size=cfg.min_replicas,
+            # The quorum is awaited before the forward: a rejoining group loads its peer's
+            # state first and trains the step with the others (no step of zeroed gradients).
+            use_async_quorum=False,
+            # Every group draws the same initial weights from train.seed.
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
+            rank=parallel.rank,
+            world_size=parallel.world_size,
+            lighthouse_addr=self.lighthouse,
+            # torchft numbers the groups by the digits that end the id.
+            replica_id=f"kiln_{self.group}",
+            **_group_store(parallel.world_size),
+        )
+        self.failed_in_a_row, self.last = 0, None
+
+    def start_step(self, step: int) -> Quorum:
+        """The quorum of step `step` (1-based); a group behind the others loads a peer's
+        state in it. Raises KilnError when no quorum forms within its timeout."""
+        self._healed = False
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as error:
+            raise KilnError(
+                f"replica group {self.group}: no quorum for step {step} within "
+                f"{self.cfg.quorum_timeout_s:g} s (fault_tolerance.quorum_timeout_s): "
+                f"{first_line(error)}. Is the lighthouse at {self.lighthouse} still running? "
+                "Restart it and this group (it rejoins from a live peer, or every group "
+                "resumes from the last checkpoint)"
+            ) from None
+        quorum = Quorum(
+            participants=self.manager.num_participants(),
+            replica_rank=self.manager.participating_rank(),
+            healed=self._healed,
+        )
+        if quorum.healed or self.last is None or quorum.participants != self.last.participants:
+            self.events.write(
+                "quorum",
+                step=step,
+                replica_group=self.group,
+                participants=quorum.participants,
+                replica_rank=quorum.replica_rank,
+                healed=quorum.healed,
+            )
+        self.last = quorum
+        return quorum
+
+    def sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum `tensors` in place over the groups of this step's quorum, in one collective. A
+        failure is not raised: it leaves the values undefined and the step uncommitted."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        offset = 0
+        for tensor in tensors:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+    def sum_gradients(self, params: list[torch.nn.Parameter], extra: list[torch.Tensor]) -> None:
+        """Sum every gradient shard of this rank (and the `extra` values) over the groups,
+        in one collective per dtype: the ranks of one place in each group hold the same shards."""
+        for param in params:
+            if param.grad is None:  # unused this step here, perhaps not in another group
+                param.grad = torch.zeros_like(param)
+        local = [_local(p.grad) for p in params] + extra
+        for dtype in sorted({t.dtype for t in local}, key=str):
+            self.sum([t for t in local if t.dtype == dtype])
+
+    def commit(self, step: int) -> bool:
+        """Whether every rank of every group in the quorum finished the step: the update is
+        applied only then. A group gives up after fault_tolerance.max_failed_steps in a row."""
+        committed = self.manager.should_commit()
+        if committed:
+            self.failed_in_a_row = 0
+            return True
+        self.failed_in_a_row += 1
+        reason = self.manager.errored()
+        why = first_line(reason.original_exception) if reason is not None else "too few groups"
+        self.events.write("not_committed", step=step, replica_group=self.group, reason=why)
+        if self.failed_in_a_row >= self.cfg.max_failed_steps:
+            raise KilnError(
+                f"replica group {self.group} gives up: {self.failed_in_a_row} steps in a row "
+                f"could not commit (fault_tolerance.max_failed_steps); the last because {why}"
+            )
+        return False
+
+    def set_step(self, step: int) -> None:
+        """The step the run is at (after a resume): the quorum brings groups behind it up."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def writes_checkpoints(self) -> bool:
+        """The first group of the last quorum saves the run's checkpoints (one writer)."""
+        return self.last is None or self.last.replica_rank == 0
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def join_replica_groups(
+    cfg: JobConfig, parallel: ParallelContext, **callbacks: Any
+) -> ReplicaGroups | None:
+    """This process's replica group under fault tolerance; None without it."""
+    if not cfg.fault_tolerance.enabled:
+        return None
+    return ReplicaGroups(cfg.fault_tolerance, parallel, **callbacks)
+
+
+def group_run_config(cfg: JobConfig) -> JobConfig:
+    """Under fault tolerance each replica group logs to <run_dir>/replica_group_<g> (metrics,
+    events, config), and the run's checkpoints stay in <run_dir>/checkpoints."""
+    if not cfg.fault_tolerance.enabled:
+        return cfg
+    run_dir = Path(cfg.metrics.run_dir)
+    group_dir = run_dir / f"replica_group_{cfg.fault_tolerance.replica_group}"
+    checkpoint_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    return replace(
+        cfg,
+        metrics=replace(cfg.metrics, run_dir=str(group_dir)),
+        checkpoint=replace(cfg.checkpoint, dir=checkpoint_dir),
+    )
+
+
+def lighthouse_address(cfg: FaultToleranceConfig) -> str:
+    """fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE."""
+    address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise ConfigError(
+            "fault_tolerance.enabled needs a lighthouse: set fault_tolerance.lighthouse (or "
+            f"${LIGHTHOUSE_ENV}) to the address of a running `torchft_lighthouse`, e.g. "
+            "http://node0:29510 (docs/fault_tolerance.md, 'Launching')"
+        )
+    return address
+
+
+def check_reachable(address: str, *, timeout_s: float) -> None:
+    """Connect once to the lighthouse, for a clear message instead of torchft's retries."""
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 29510), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise KilnError(
+            f"no lighthouse answers at {address} ({error}): start it first, e.g. "
+            "`torchft_lighthouse --min_replicas 1 --bind [::]:29510`, and point "
+            "fault_tolerance.lighthouse (or $TORCHFT_LIGHTHOUSE) at it"
+        ) from None
+
+
+def _group_store(world_size: int) -> dict[str, Any]:
+    """torchft's managers meet in the group's TCPStore: torchrun's (MASTER_ADDR/PORT, which
+    the other groups must reach too), or for one process without torchrun a store of its own."""
+    if "MASTER_PORT" in os.environ:
+        return {}
+    assert world_size == 1, "torchrun sets MASTER_PORT for every group of more than one rank"
+    host = socket.gethostname()
+    store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    _STORES.append(store)  # kept alive for the process's lifetime
+    return {"store_addr": host, "store_port": store.port}
+
+
+_STORES: list[torch.distributed.TCPStore] = []
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
