@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 EVENTS_FILE = "events.jsonl"
 
-Event = Literal["checkpoint", "resume", "nan_skip", "rollback", "stop", "quorum", "not_committed"]
+Event = Literal[
+    "checkpoint", "resume", "nan_skip", "rollback", "stop", "quorum", "not_committed", "preflight"
+]
 
 
 class EventLog:

@@ -41,10 +41,21 @@ def load_local_state(model: Modules, optimizer: Optimizers, parts: list[dict[str
             set_optimizer_state_dict(module, optim, own["optim"], options=FLAT)
 
 
+def peer_state(
+    train: dict[str, Any], layout: dict[str, int], model: Modules, optimizer: Optimizers
+) -> dict[str, Any]:
+    """What a live group's rank sends the rank of the same place in a rejoining group: the
+    train state (data position, step, settings), the group's layout and its shards."""
+    return {"train": train, "layout": layout, "parts": local_state(model, optimizer)}
+
+
 def check_same_run(group: int, *, peer: dict[str, Any], own: dict[str, Any]) -> None:
-    """A group rejoins only a run of its own settings and layout: another one's state would
-    mix two runs (or not fit its shards)."""
-    changes = fingerprint_changes(peer, own)
+    """A group rejoins only a run of its own settings and layout (`peer_state`s): another
+    one's state would mix two runs, or not fit its shards."""
+    changes = fingerprint_changes(
+        peer["train"]["fingerprint"] | {"layout": peer["layout"]},
+        own["train"]["fingerprint"] | {"layout": own["layout"]},
+    )
     if changes:
         raise KilnError(
             f"replica group {group} cannot rejoin: the live groups train with other settings "

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from kiln.config.sections import JobConfig
+from kiln.model import build_model, materialize
 from kiln.model.parallel_plan import blocks_of
 from kiln.model.registry import family_of
 from kiln.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -96,3 +97,14 @@ def _sequence_mesh(parallel: ParallelContext | None) -> DeviceMesh | None:
     if parallel is None:
         return None
     return parallel.sequence_fsdp_mesh()
+
+
+def build_parallel_model(
+    cfg: JobConfig, parallel: ParallelContext, *, seed: int | None
+) -> list[nn.Module]:
+    """The model of `cfg` built on the meta device, parallelized, then materialized on this
+    rank's device: initialized from `seed`, or left for a checkpoint to fill (seed None)."""
+    parts = apply_parallelism(build_model(cfg.model), cfg, parallel)
+    for part in parts:
+        materialize(part, device=parallel.device, seed=seed)
+    return parts

@@ -7,6 +7,8 @@ import re
 import torch
 import torch.distributed as dist
 
+from kiln.errors import KilnError, first_line
+
 
 def sum_over(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """`value` summed over `group` (None: this rank alone), leaving the input untouched."""
@@ -33,6 +35,16 @@ def is_collective_failure(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
     return type(error) is RuntimeError and _GLOO_TRANSPORT.search(str(error)) is not None
+
+
+def collective_failure(error: BaseException, rank: int, step: int, newest: object) -> KilnError:
+    """The message of a rank whose collective failed in `step` (`newest`: the checkpoint a
+    restarted job resumes from, None for scratch)."""
+    return KilnError(
+        f"rank {rank}: a collective failed during step {step}: {first_line(error)}. Another "
+        f"rank most likely died or hung (its log names why); the job resumes from "
+        f"{newest or 'scratch'} when restarted"
+    )
 
 
 # gloo's transport layer (tcp, or uv on macOS and Windows) throws with its file and line first.

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kiln.config.sections import DistributedConfig
+from kiln.config.sections import DistributedConfig, JobConfig
 from kiln.config.validate import resolve_layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
@@ -181,6 +181,17 @@ def init_parallel(
         degrees=degrees,
         mesh=mesh,
         **groups,
+    )
+
+
+def init_training_parallel(cfg: JobConfig, device: torch.device) -> ParallelContext:
+    """init_parallel for a training run: its collective timeout, its replica group."""
+    ft = cfg.fault_tolerance
+    return init_parallel(
+        cfg.distributed,
+        device,
+        timeout_s=cfg.resilience.collective_timeout_s,
+        replica_group=ft.replica_group if ft.enabled else None,
     )
 
 

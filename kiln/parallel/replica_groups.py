@@ -7,6 +7,7 @@ that lost a peer midway commits nowhere and is not counted."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -50,6 +51,10 @@ class ReplicaGroups:
         load_fn: Callable[[dict[str, Any]], None],
         events: EventLog,
     ):
+        # torchft logs every quorum and commit (its Rust side at INFO): kiln reports what
+        # changes (events.jsonl, warnings). RUST_LOG set by the user wins.
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.ERROR)
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.group, self.events = cfg, parallel.replica_group, events
@@ -87,6 +92,8 @@ class ReplicaGroups:
             **_group_store(parallel.world_size),
         )
         self.failed_in_a_row, self.last = 0, None
+        # A quorum is formed before each step and used by its commit.
+        self.in_quorum = False
 
     def start_step(self, step: int) -> Quorum:
         """The quorum of step `step` (1-based); a group behind the others loads a peer's
@@ -116,7 +123,7 @@ class ReplicaGroups:
                 replica_rank=quorum.replica_rank,
                 healed=quorum.healed,
             )
-        self.last = quorum
+        self.last, self.in_quorum = quorum, True
         return quorum
 
     def sum(self, tensors: list[torch.Tensor]) -> None:
@@ -142,7 +149,7 @@ class ReplicaGroups:
     def commit(self, step: int) -> bool:
         """Whether every rank of every group in the quorum finished the step: the update is
         applied only then. A group gives up after fault_tolerance.max_failed_steps in a row."""
-        committed = self.manager.should_commit()
+        committed, self.in_quorum = self.manager.should_commit(), False
         if committed:
             self.failed_in_a_row = 0
             return True
@@ -170,12 +177,19 @@ class ReplicaGroups:
 
 
 def join_replica_groups(
-    cfg: JobConfig, parallel: ParallelContext, **callbacks: Any
+    cfg: JobConfig,
+    parallel: ParallelContext,
+    state_fn: Callable[[], dict[str, Any]],
+    load_fn: Callable[[dict[str, Any]], None],
+    *,
+    events: EventLog,
 ) -> ReplicaGroups | None:
-    """This process's replica group under fault tolerance; None without it."""
+    """This process's replica group under fault tolerance (`state_fn` gives what a rejoining
+    group receives, `load_fn` loads it); None without fault tolerance."""
     if not cfg.fault_tolerance.enabled:
         return None
-    return ReplicaGroups(cfg.fault_tolerance, parallel, **callbacks)
+    ft = cfg.fault_tolerance
+    return ReplicaGroups(ft, parallel, state_fn=state_fn, load_fn=load_fn, events=events)
 
 
 def group_run_config(cfg: JobConfig) -> JobConfig:

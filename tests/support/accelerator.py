@@ -52,12 +52,12 @@ def _tp_groups_in_shared_memory(init_parallel):
     """The tp dimension of kiln's CPU mesh built on the arena's process group."""
 
     @wraps(init_parallel)
-    def accelerated(dist_cfg, device, *, timeout_s: float = 600):
+    def accelerated(dist_cfg, device, *, timeout_s: float = 600, **options):
         if device.type != "cpu":
-            return init_parallel(dist_cfg, device, timeout_s=timeout_s)
+            return init_parallel(dist_cfg, device, timeout_s=timeout_s, **options)
         undo = patch("kiln.parallel.mesh", "init_device_mesh", partial(_tp_override, timeout_s))
         try:
-            return init_parallel(dist_cfg, device, timeout_s=timeout_s)
+            return init_parallel(dist_cfg, device, timeout_s=timeout_s, **options)
         finally:
             undo()
 
