@@ -1,6 +1,7 @@
 """A step watchdog: when one training step runs past its bound, print every thread's stack and
 end the process, so a rank stuck in a kernel, a collective or a deadlock cannot hang the job
-silently (the other ranks then fail on their next collective)."""
+silently (the other ranks then fail on their next collective). Before it ends the process, it
+writes the flight recorder's dump and summary (flight_recorder.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import threading
 
 from kiln.log import warn
+from kiln.resilience import flight_recorder
 from kiln.resilience.exit_codes import HUNG
 
 
@@ -64,5 +66,9 @@ class StepWatchdog:
             f"follow, then this process exits with code {HUNG}"
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        try:  # the summary may name the rank this one waits for; the exit must happen regardless
+            flight_recorder.dump(f"step {self._step} ran past resilience.step_timeout_s")
+        except Exception as error:
+            warn(f"rank {self.rank}: the flight recorder could not be written: {error}")
         sys.stderr.flush()
         os._exit(HUNG)
