@@ -39,6 +39,11 @@ class ParallelContext:
         return self.rank == 0
 
     @property
+    def job_world_size(self) -> int:
+        """Every process of the job: under fault tolerance, every replica group's."""
+        return self.world_size * self.replica_groups
+
+    @property
     def data_ranks(self) -> int:
         """Ranks that read different samples (tp/cp/pp ranks of one replica read the same ones)."""
         return self.group_data_ranks * self.replica_groups

@@ -117,7 +117,7 @@ class ReplicaGroups:
         if quorum.healed or self.last is None or quorum.participants != self.last.participants:
             self.events.write(
                 "quorum",
-                step=step,
+                step=self.manager.current_step() + 1,  # a group that healed is at its peer's
                 replica_group=self.group,
                 participants=quorum.participants,
                 replica_rank=quorum.replica_rank,
@@ -234,11 +234,11 @@ def check_reachable(address: str, *, timeout_s: float) -> None:
 
 
 def _group_store(world_size: int) -> dict[str, Any]:
-    """torchft's managers meet in the group's TCPStore: torchrun's (MASTER_ADDR/PORT, which
-    the other groups must reach too), or for one process without torchrun a store of its own."""
-    if "MASTER_PORT" in os.environ:
+    """torchft's managers meet in the group's TCPStore: the process group's (MASTER_ADDR/PORT,
+    which the other groups must reach too), or for a group of one process, which builds no
+    process group, a store of its own."""
+    if world_size > 1:
         return {}
-    assert world_size == 1, "torchrun sets MASTER_PORT for every group of more than one rank"
     host = socket.gethostname()
     store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     _STORES.append(store)  # kept alive for the process's lifetime

@@ -96,9 +96,8 @@ class Trainer:
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
             write_config(cfg, self.run_dir / "config.toml")
-            print(
-                startup_summary(cfg, self.parallel.world_size, start.path, start.step), flush=True
-            )
+            world = self.parallel.job_world_size
+            print(startup_summary(cfg, world, start.path, start.step), flush=True)
         self.time_limit = TimeLimit(cfg.train.time_limit_minutes, enabled=self.parallel.is_main)
         self.iteration_seconds: deque[float] = deque(maxlen=20)
 
@@ -225,7 +224,7 @@ class Trainer:
             self.cfg,
             start_step=self.step,
             is_main=self.parallel.is_main,
-            num_devices=self.parallel.world_size * self.parallel.replica_groups,
+            num_devices=self.parallel.job_world_size,
             device=self.device,
             backends=open_backends(self.cfg, start_step=self.step) if self.parallel.is_main else (),
         )
