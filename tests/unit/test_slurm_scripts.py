@@ -253,3 +253,82 @@ def test_missing_recipe_fails_before_launching(fake, name):
     assert code == 2
     assert "recipe not found: nope.toml" in out
     assert not (fake.log / "srun.args").exists()
+
+
+# --- scripts/slurm/replica_groups.sh (fault tolerance) -----------------------------------------
+
+REPLICA_GROUPS = REPO / "scripts" / "slurm" / "replica_groups.sh"
+# torchrun of one replica group: records its arguments per attempt; group 1's first attempt
+# fails (as when its node's GPU faults), every other attempt finishes, group 0 after training a
+# while (a group that fails after the run finished is not restarted).
+FAKE_GROUP_TORCHRUN = """#!/bin/bash
+group=$(printf '%s\\n' "$@" | sed -n 's/^--fault_tolerance.replica_group=//p')
+attempt=$(($(cat "$FAKE_LOG/attempts_$group" 2>/dev/null || echo 0) + 1))
+echo "$attempt" > "$FAKE_LOG/attempts_$group"
+printf '%s\\n' "$@" > "$FAKE_LOG/torchrun.$group.$attempt"
+if [[ $group == 1 && $attempt == 1 ]]; then exit 1; fi
+if [[ $group == 0 ]]; then sleep 1; fi
+exit 0
+"""
+FAKE_LIGHTHOUSE = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/lighthouse.args"
+exec sleep 30
+"""
+
+
+def test_replica_groups_script_parses_and_passes_shellcheck():
+    assert subprocess.run(["bash", "-n", REPLICA_GROUPS]).returncode == 0
+    result = subprocess.run([_shellcheck(), REPLICA_GROUPS], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_replica_groups_start_a_lighthouse_and_restart_a_failed_group(fake):
+    for tool, text in (("torchrun", FAKE_GROUP_TORCHRUN), ("torchft_lighthouse", FAKE_LIGHTHOUSE)):
+        (fake.bin / tool).write_text(text)
+        (fake.bin / tool).chmod(0o755)
+    proc = subprocess.run(
+        ["bash", str(REPLICA_GROUPS), "some.toml", "--train.max_steps=9"],
+        cwd=fake.cwd,
+        env={
+            **fake.env,
+            "SLURM_NNODES": "4",
+            "SLURM_JOB_NODELIST": "gpu-[001-004]",
+            "FAKE_HOSTNAMES": "gpu-001 gpu-002 gpu-003 gpu-004",
+            "KILN_NODES_PER_GROUP": "2",
+            "KILN_POLL_SECONDS": "0.1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--min_replicas" in fake.read("lighthouse.args")
+    assert fake.read("attempts_0").strip() == "1"
+    assert fake.read("attempts_1").strip() == "2"  # failed once, started again
+    for attempt in (1, 2):
+        args = fake.read(f"torchrun.1.{attempt}").splitlines()
+        for arg in (
+            "--nnodes=2",
+            "--rdzv-endpoint=gpu-003:29501",  # the group's own first node and port
+            f"--rdzv-id={JOB_ID}-1-{attempt}",
+            "--train.max_steps=9",
+            "--distributed.dp_replicate=2",
+            "--fault_tolerance.enabled=true",
+            "--fault_tolerance.lighthouse=http://gpu-001:29510",
+        ):
+            assert arg in args, (arg, args)
+    assert "replica group 1 exited with 1; restarting it" in proc.stdout
+    assert "2 of 2 replica groups finished the run" in proc.stdout
+
+
+def test_replica_groups_need_two_groups(fake):
+    proc = subprocess.run(
+        ["bash", str(REPLICA_GROUPS), "some.toml"],
+        cwd=fake.cwd,
+        env={**fake.env, "FAKE_HOSTNAMES": "gpu-001"},
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert proc.returncode == 2
+    assert "fault tolerance needs at least 2 replica groups; this job has 1" in proc.stderr
