@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -55,6 +56,8 @@ class ReplicaGroups:
         # changes (events.jsonl, warnings). RUST_LOG set by the user wins.
         os.environ.setdefault("RUST_LOG", "warn")
         logging.getLogger("torchft").setLevel(logging.ERROR)
+        # torchft reads a peer's tensors from a read-only buffer and copies them at once.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.group, self.events = cfg, parallel.replica_group, events
