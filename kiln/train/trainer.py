@@ -20,7 +20,6 @@ from kiln.data.loader import BatchLoader
 from kiln.data.sources import training_tokenizer
 from kiln.errors import KilnError
 from kiln.events import EventLog
-from kiln.log import warn
 from kiln.metrics.backends import open_backends
 from kiln.metrics.layout_report import startup_summary
 from kiln.metrics.plot import redraw_loss_curve
@@ -33,12 +32,12 @@ from kiln.parallel.device import pick_device
 from kiln.parallel.mesh import init_training_parallel
 from kiln.parallel.replica_groups import group_run_config, join_replica_groups
 from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog, flight_recorder, health
-from kiln.resilience.preemption import Preempted
 from kiln.resilience.time_limit import TimeLimit
 from kiln.train.non_finite import report_skipped, roll_back
 from kiln.train.optimizer import build_optimizers
 from kiln.train.preflight import check_stop_at_step
 from kiln.train.run_data import open_run_data
+from kiln.train.run_end import RunEnd
 from kiln.train.schedule_free import optimizer_eval_point, optimizer_train_point
 from kiln.train.step import StepFlags, StepResult, TrainStep
 from kiln.train.task_eval import TaskEval
@@ -98,7 +97,11 @@ class Trainer:
             write_config(cfg, self.run_dir / "config.toml")
             world = self.parallel.job_world_size
             print(startup_summary(cfg, world, start.path, start.step), flush=True)
-        self.time_limit = TimeLimit(cfg.train.time_limit_minutes, enabled=self.parallel.is_main)
+        main, max_steps = self.parallel.is_main, cfg.train.max_steps
+        self.end = RunEnd(
+            self.checkpoints, self.events, save=self.save, max_steps=max_steps, is_main=main
+        )
+        self.time_limit = TimeLimit(cfg.train.time_limit_minutes, enabled=main)
         self.iteration_seconds: deque[float] = deque(maxlen=20)
 
     def train(self) -> list[dict]:
@@ -166,14 +169,17 @@ class Trainer:
                 log.excluding(self.save)  # saving is not training time; async returns once staged
             profiler.after_step(self.step)  # the step's checkpoint is in its trace
             self.iteration_seconds.append(time.perf_counter() - began)
-            if result.stop or result.time_up:
-                return self._stop_early(result, preemption, records)
+            if result.stop:
+                raise self.end.preempted(self.step, preemption.received)
+            if result.time_up:
+                self.end.with_checkpoint(self.step, "train.time_limit_minutes", "again to continue")
+                return records
         if cfg.stop_at_step == self.step < cfg.max_steps:
-            self._end_with_checkpoint("train.stop_at_step", "without it to continue")
+            self.end.with_checkpoint(self.step, "train.stop_at_step", "without it to continue")
             return records
         if self.cfg.checkpoint.save_final and not self.checkpoints.is_saved(self.step):
             self.save()
-        self._close("train.max_steps")
+        self.end.close(self.step, "train.max_steps")
         return records
 
     def train_step(self, *, stop_requested: bool = False, time_up: bool = False) -> StepResult:
@@ -250,7 +256,7 @@ class Trainer:
         guard, main = self.nan_guard, self.parallel.is_main
         report_skipped(guard, result, step=self.step, events=self.events, is_main=main)
         if action == "stop":
-            self._close("resilience.nan_action")
+            self.end.close(self.step, "resilience.nan_action")
             raise KilnError(guard.stop_message(self.step, newest=self.checkpoints.newest()))
         if action == "rollback":
             parts = {"model": self.model_parts, "optimizer": self.optimizers}
@@ -258,33 +264,6 @@ class Trainer:
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             log.rolled_back_to(self.step)
         return action == "rollback"
-
-    def _stop_early(self, result: StepResult, preemption: PreemptionFlag, records: list) -> list:
-        if not result.stop:
-            self._end_with_checkpoint("train.time_limit_minutes", "again to continue")
-            return records
-        if not self.checkpoints.is_saved(self.step):
-            self.save()
-        signal_name = preemption.received or "a signal on another rank"
-        self._close(f"signal: {signal_name}")
-        raise Preempted(
-            signal_name=signal_name, step=self.step, checkpoint=self.checkpoints.newest()
-        )
-
-    def _close(self, reason: str) -> None:
-        """Commit the save in flight, then record why and where the run stops."""
-        self.checkpoints.close(after_step=self.step)
-        self.events.write("stop", step=self.step, reason=reason)
-
-    def _end_with_checkpoint(self, reason: str, how: str) -> None:
-        if not self.checkpoints.is_saved(self.step):
-            self.save()
-        if self.parallel.is_main:
-            warn(
-                f"stopped after step {self.step} of {self.cfg.train.max_steps} ({reason}); run "
-                f"the same command {how} from {self.checkpoints.dir}"
-            )
-        self._close(reason)
 
     def evaluate(self) -> dict[str, float]:
         with optimizer_eval_point(self.optimizers):
