@@ -29,7 +29,7 @@ def add_parsers(subcommand) -> None:
         "--world-size",
         type=int,
         default=1,
-        help="number of processes to validate the layout against",
+        help="number of processes to validate the layout against (under fault tolerance: one replica group's)",
     )
     check.add_argument(
         "--config-only",
@@ -97,7 +97,11 @@ def cmd_train(args) -> int:
 def cmd_check(args) -> int:
     from kiln.config import load_config, resolve_layout, to_toml
 
-    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    from kiln.config.validate_fault_tolerance import job_world_size
+
+    cfg = load_config(args.config, args.overrides, launched=args.world_size)
+    # Under fault tolerance --world-size is one replica group's, as torchrun's WORLD_SIZE.
+    args.world_size = job_world_size(cfg, args.world_size)
     cluster = None
     if args.gpu:
         from kiln.cli.plan import cluster_from_args

@@ -89,3 +89,11 @@ def test_a_group_that_cannot_commit_gives_up_with_the_reason(debug_overrides, tm
     assert "replica group 0 gives up: 2 steps in a row could not commit" in str(caught.value)
     assert "too few groups" in str(caught.value)
     assert trainer.step == 0  # nothing was committed, so nothing counted
+
+
+def test_kiln_check_takes_one_groups_processes(capsys):
+    """As torchrun's WORLD_SIZE under fault tolerance, --world-size is one group's."""
+    from kiln.cli import main
+
+    assert main(["check", str(DEBUG_CONFIG), "--world-size=1", "--config-only", *ft()]) == 0
+    assert "world size 2: dp_replicate=2 × dp_shard=1" in capsys.readouterr().out
