@@ -5,6 +5,7 @@ no failure matches plain HSDP; a lost lighthouse stops every group with its mess
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import time
@@ -107,6 +108,10 @@ def test_a_killed_group_is_dropped_then_rejoins_from_the_live_one(tmp_path, demo
     # (it was not committed, and redone on the next batch).
     assert logged_steps(run / "replica_group_0") == list(range(1, steps + 1))
     assert logged_steps(run / "replica_group_1")[-1] == steps
+    # The global batch shrinks to the live groups' while one is out (its samples are skipped).
+    seen = [r["tokens_seen"] for r in records(run / "replica_group_0").values()]
+    per_step = {b - a for a, b in itertools.pairwise(seen)}
+    assert per_step == {min(per_step), 2 * min(per_step)}, per_step
     for rank in (0, 1):  # the same shards, bitwise: the same arithmetic on the same values
         live = torch.load(run / "replica_group_0" / f"final_rank_{rank}.pt")
         healed_shards = torch.load(run / "replica_group_1" / f"final_rank_{rank}.pt")
