@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kiln.checkpoint.store import MARKER, Location, StoreError
+from kiln.checkpoint.store import MARKER, Location, StoreError, probe_name
 from kiln.errors import KilnError
 from kiln.remote import filesystem, protocol, reach_error
 
@@ -129,7 +129,7 @@ class FsspecStore:
             self.fs.rm(names)
 
     def check_writable(self, root: Location) -> None:
-        probe = root / ".write_test"
+        probe = root / probe_name()
         try:
             self.fs.pipe_file(str(probe), b"ok")
             self.fs.rm_file(str(probe))

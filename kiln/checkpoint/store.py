@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -174,7 +175,7 @@ class LocalStore:
     def check_writable(self, root: Location) -> None:
         root = Path(root)
         created = [path for path in (root, *root.parents) if not path.exists()]
-        probe = root / ".write_test"
+        probe = root / probe_name()
         try:
             root.mkdir(parents=True, exist_ok=True)
             probe.write_text("ok")
@@ -196,6 +197,12 @@ class LocalStore:
         from torch.distributed.checkpoint import FileSystemReader
 
         return FileSystemReader(Path(path))
+
+
+def probe_name() -> str:
+    """The write probe's name: one per process, as several jobs may probe one folder at once
+    (the replica groups of a fault-tolerant run start together)."""
+    return f".write_test_{socket.gethostname()}_{os.getpid()}"
 
 
 def sync_path(path: Path) -> None:

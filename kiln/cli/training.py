@@ -96,7 +96,6 @@ def cmd_train(args) -> int:
 
 def cmd_check(args) -> int:
     from kiln.config import load_config, resolve_layout, to_toml
-
     from kiln.config.validate_fault_tolerance import job_world_size
 
     cfg = load_config(args.config, args.overrides, launched=args.world_size)
