@@ -1,0 +1,295 @@
+"""What replica groups cost and how fast they recover, on CPU (gloo), with real processes: a
+torchft lighthouse and each replica group a job of its own, started as the fault-tolerance
+tests start them (tests/support/lighthouse.py, tests/distributed/launch.py). The debug recipe,
+seq_len 64, the demo corpus, no checkpoints. benchmarks/fault_tolerance.md reads it.
+
+(a) Step time, side by side: plain HSDP (dp_replicate=2 × dp_shard=D, one job of 2·D ranks)
+    against two replica groups of D ranks each (the same layout, the same global batch), both
+    groups in the quorum from step 1 (lighthouse min_replicas=2), no failure. `--rounds`
+    rounds alternate the two arms. A step's time is its tokens over its `tokens_per_sec`
+    (metrics.jsonl, one record per step, the whole loop iteration); the median over the steps
+    after the first `--skip`.
+(b) Death: both groups train (min_replicas=1); all ranks of group 1 are SIGKILLed; the time to
+    group 0's first quorum without it (events.jsonl `quorum`, participants=1) and to its next
+    step in metrics.jsonl (polled every 10 ms).
+(c) Rejoin: group 1 restarted; the time from its processes' start to its `quorum` event with
+    healed=true (it took group 0's state there), and to its first logged step. The Python and
+    torch start-up inside it is measured apart: `python -c` importing what `kiln train` imports
+    before it reads its config (torch, torchft, kiln's trainer and CLI), same environment.
+(b) and (c) repeat `--cycles` times with one lighthouse and one group 0.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/fault_tolerance.py [--dp-shard 1] [--rounds 2]
+        [--steps 60] [--cycles 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.data.demo_corpus import ensure_demo_corpus
+from kiln.events import read_events
+from tests.distributed.launch import env, kiln_args, start_ranks, wait_all
+from tests.support.lighthouse import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS, lighthouse
+
+IMPORTS = "import torch, torchft, kiln.cli, kiln.train.trainer"
+
+
+def ft_args(address: str, group: int) -> list[str]:
+    return [
+        "--fault_tolerance.enabled=true",
+        f"--fault_tolerance.lighthouse={address}",
+        f"--fault_tolerance.replica_group={group}",
+        "--fault_tolerance.quorum_timeout_s=30",
+        "--fault_tolerance.timeout_s=30",
+    ]
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def step_seconds(run_dir: Path, skip: int) -> list[float]:
+    """Each logged step's seconds: its tokens (from tokens_seen) over its tokens_per_sec."""
+    rows, out, seen = records(run_dir), [], 0
+    for row in rows:
+        tokens, seen = row["tokens_seen"] - seen, row["tokens_seen"]
+        if row["step"] > skip:
+            out.append(tokens / row["tokens_per_sec"])
+    return out
+
+
+def events(run_dir: Path, name: str, after: float = 0.0) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == name and e["time"] > after]
+
+
+def wait_until(condition, procs, what: str, timeout: float = 180, poll: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit(f"a rank ended while waiting for {what}")
+        time.sleep(poll)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def step_time_arms(data: Path, root: Path, args, d: int) -> dict[str, list[float]]:
+    """(a): median step seconds of each arm, one value per round, groups of `d` ranks."""
+    layout = [
+        "--distributed.dp_replicate=2",
+        f"--distributed.dp_shard={d}",
+        f"--train.max_steps={args.steps}",
+        "--checkpoint.interval=0",
+        "--scheduler.warmup_steps=0",
+    ]
+    out: dict[str, list[float]] = {"hsdp": [], "ft": []}
+    for r in range(args.rounds):
+        run = root / f"hsdp_{d}_{r}"
+        procs = start_ranks(2 * d, kiln_args(run, data, *layout), root / f"logs_hsdp_{d}_{r}")
+        assert wait_all(procs, timeout=600) == [0] * (2 * d), f"HSDP run failed: {root}"
+        out["hsdp"].append(statistics.median(step_seconds(run, args.skip)))
+        run = root / f"ft_{d}_{r}"
+        with lighthouse(root / f"lighthouse_ft_{d}_{r}.txt", min_replicas=2) as house:
+            groups = [
+                start_ranks(
+                    d,
+                    kiln_args(run, data, *layout, *ft_args(house.address, g)),
+                    root / f"logs_ft_{d}_{r}_{g}",
+                )
+                for g in (0, 1)
+            ]
+            codes = wait_all(groups[0] + groups[1], timeout=600)
+            assert codes == [0] * (2 * d), f"fault-tolerance run failed: {root}"
+        per_group = [
+            statistics.median(step_seconds(run / f"replica_group_{g}", args.skip)) for g in (0, 1)
+        ]
+        out["ft"].append(statistics.median(per_group))
+        print(
+            f"dp_shard={d} round {r}: hsdp {out['hsdp'][-1] * 1e3:.1f} ms, ft {out['ft'][-1] * 1e3:.1f} ms",
+            flush=True,
+        )
+    return out
+
+
+def import_seconds(repeats: int = 3) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.time()
+        subprocess.run([sys.executable, "-c", IMPORTS], env=env(), check=True)
+        times.append(time.time() - start)
+    return times
+
+
+def kill_and_rejoin(data: Path, root: Path, args) -> list[dict]:
+    """(b) and (c), `args.cycles` times."""
+    d, run = args.dp_shard[0], root / "kill_run"
+    base = kiln_args(
+        run,
+        data,
+        "--distributed.dp_replicate=2",
+        f"--distributed.dp_shard={d}",
+        "--train.max_steps=100000",
+        "--checkpoint.interval=0",
+    )
+    g0_dir, g1_dir = run / "replica_group_0", run / "replica_group_1"
+    cycles = []
+    with lighthouse(root / "lighthouse_kill.txt") as house:
+        group_0 = start_ranks(d, [*base, *ft_args(house.address, 0)], root / "logs_kill_0")
+        wait_until(lambda: records(g0_dir), group_0, "group 0's first step")
+        started = time.time()
+        group_1 = start_ranks(d, [*base, *ft_args(house.address, 1)], root / "logs_kill_1_0")
+        for cycle in range(args.cycles):
+            everyone = group_0 + group_1
+            healed = wait_until(
+                lambda s=started: [e for e in events(g1_dir, "quorum", s) if e["healed"]],
+                everyone,
+                "group 1 healed",
+            )[0]
+            first = wait_until(
+                lambda s=healed["step"]: _step_at_least(g1_dir, s), everyone, "a step"
+            )
+            first_step_time = time.time()
+            rejoin = {
+                "healed_s": healed["time"] - started,
+                "first_step_s": first_step_time - started,
+            }
+            # a few steps together, then group 1's node "fails": every rank at once
+            together = first + args.steps_together
+            wait_until(lambda t=together: _step_at_least(g0_dir, t), everyone, "steps together")
+            last = records(g0_dir)[-1]["step"]
+            for proc in group_1:
+                proc.send_signal(signal.SIGKILL)
+            died = time.time()
+            wait_all(group_1, timeout=30)
+            alone = wait_until(
+                lambda t=died: [e for e in events(g0_dir, "quorum", t) if e["participants"] == 1],
+                group_0,
+                "group 0 alone",
+            )[0]
+            wait_until(lambda t=last: _step_at_least(g0_dir, t + 1), group_0, "group 0's next step")
+            next_step = time.time()
+            wait_until(lambda t=alone["step"]: _step_at_least(g0_dir, t), group_0, "the alone step")
+            alone_step = time.time()
+            lost = [e for e in events(g0_dir, "not_committed", died - 1)]
+            cycles.append(
+                rejoin
+                | {
+                    "alone_quorum_s": alone["time"] - died,
+                    "next_step_s": next_step - died,
+                    "alone_step_s": alone_step - died,
+                    "not_committed_s": [round(e["time"] - died, 3) for e in lost],
+                    "not_committed": [e["reason"][:80] for e in lost],
+                }
+            )
+            print(f"cycle {cycle}: {cycles[-1]}", flush=True)
+            if cycle + 1 < args.cycles:
+                time.sleep(0.5)
+                started = time.time()
+                logs = root / f"logs_kill_1_{cycle + 1}"
+                group_1 = start_ranks(d, [*base, *ft_args(house.address, 1)], logs)
+        for proc in group_0:
+            proc.send_signal(signal.SIGKILL)
+        wait_all(group_0, timeout=30)
+    return cycles
+
+
+def _step_at_least(run_dir: Path, step: int) -> int | None:
+    rows = records(run_dir)
+    return rows[-1]["step"] if rows and rows[-1]["step"] >= step else None
+
+
+def median_range(values: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
+    values = [v * scale for v in values]
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(
+            line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line
+        )
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp-shard", type=int, nargs="+", default=[1], help="ranks per group")
+    parser.add_argument("--keep", default="", help="a folder to keep the runs and logs in")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--skip", type=int, default=5, help="first steps left out of (a)")
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--steps-together", type=int, default=3)
+    args = parser.parse_args()
+    print(
+        f"device: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"Python {platform.python_version()}; load average before: {os.getloadavg()}"
+    )
+    print(
+        f"lighthouse: heartbeat_timeout_ms={HEARTBEAT_TIMEOUT_MS}, join_timeout_ms={JOIN_TIMEOUT_MS}"
+    )
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep or tmp)
+        data = ensure_demo_corpus(root / "demo", max_bytes=2_000_000)
+        arms = [step_time_arms(data, root, args, d) for d in args.dp_shard]
+        imports = import_seconds()
+        cycles = kill_and_rejoin(data, root, args)
+    for d, arm in zip(args.dp_shard, arms, strict=True):
+        step_table(d, arm, args)
+    cycle_table(cycles, imports)
+    print(f"\nwall time {time.monotonic() - began:.0f} s; load average after: {os.getloadavg()}")
+
+
+def step_table(d: int, arms: dict[str, list[float]], args) -> None:
+    hsdp, ft = arms["hsdp"], arms["ft"]
+    if not hsdp:
+        return
+    ratios = [f / h for f, h in zip(ft, hsdp, strict=True)]
+    print(
+        f"\n(a) step time, 2 × dp_shard={d}, median of steps > {args.skip} of {args.steps}, per round"
+    )
+    print("| arm | ms per step, median (min-max over rounds) |\n|---|---:|")
+    print(f"| plain HSDP, one job of {2 * d} ranks | {median_range(hsdp, 1e3, '.1f')} |")
+    print(f"| two replica groups of {d} | {median_range(ft, 1e3, '.1f')} |")
+    print(
+        f"ratio ft / hsdp per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+        f"extra per step: {median_range([f - h for f, h in zip(ft, hsdp, strict=True)], 1e3, '.1f')} ms"
+    )
+
+
+def cycle_table(cycles: list[dict], imports: list[float]) -> None:
+    print(f"\n(b), (c) over {len(cycles)} cycles, seconds, median (min-max)")
+    print("| measure | s |\n|---|---:|")
+    for key, what in (
+        ("alone_quorum_s", "SIGKILL of group 1 → group 0's quorum without it"),
+        ("next_step_s", "SIGKILL → group 0's next logged step"),
+        ("alone_step_s", "SIGKILL → group 0's step of that quorum logged"),
+        ("healed_s", "group 1's start → its healed quorum"),
+        ("first_step_s", "group 1's start → its first logged step"),
+    ):
+        print(f"| {what} | {median_range([c[key] for c in cycles])} |")
+    print(f"| `python -c '{IMPORTS}'` | {median_range(imports)} |")
+    for c in cycles:
+        print("group 0 not committed, s after the kill:", c["not_committed_s"], c["not_committed"])
+
+
+if __name__ == "__main__":
+    main()
