@@ -375,11 +375,15 @@ class FaultToleranceConfig:
     lighthouse: str = ""
     # Steps commit only while at least this many groups are in the quorum.
     min_replicas: int = 1
-    # How long a step waits for its quorum: past the lighthouse's heartbeat timeout, so that a
-    # dead group is dropped rather than failing the survivors' step.
-    quorum_timeout_s: float = 60.0
-    # Collectives across groups and a peer's state transfer fail after this long.
+    # How long a step waits for its quorum: past the lighthouse's heartbeat timeout (a dead
+    # group is dropped, not waited for) and past a checkpoint save, which the writing group
+    # does while the others wait at the next quorum.
+    quorum_timeout_s: float = 600.0
+    # Collectives across groups fail after this long.
     timeout_s: float = 60.0
+    # A rejoining group's transfer of its state from a live peer fails after this long (the
+    # whole state of a rank in one stream: size it for the model).
+    recovery_timeout_s: float = 600.0
     # Start-up waits this long for the lighthouse before giving up.
     connect_timeout_s: float = 30.0
     # A group gives up after this many steps in a row that could not commit (a recovery that

@@ -36,7 +36,7 @@ def fault_tolerance_problems(cfg: JobConfig) -> list[str]:
             f"fault_tolerance.min_replicas must be between 1 and distributed.dp_replicate "
             f"({groups}), got {ft.min_replicas}: steps commit only while that many groups live"
         )
-    for key in ("quorum_timeout_s", "timeout_s", "connect_timeout_s"):
+    for key in ("quorum_timeout_s", "timeout_s", "recovery_timeout_s", "connect_timeout_s"):
         if getattr(ft, key) <= 0:
             p.append(f"fault_tolerance.{key} must be > 0 seconds, got {getattr(ft, key)}")
     if ft.max_failed_steps < 1:
@@ -47,6 +47,19 @@ def fault_tolerance_problems(cfg: JobConfig) -> list[str]:
             "them can change between steps (a group that rejoins may take over), and a new "
             "writer's save would remove the other's save still in flight. Set "
             'checkpoint.async_mode = "disabled"'
+        )
+    if cfg.resilience.nan_action == "rollback":
+        p.append(
+            "fault_tolerance.enabled skips non-finite steps and stops after "
+            "resilience.nan_max_consecutive; rolling back to a checkpoint is not supported "
+            "across replica groups. Set resilience.nan_action = 'stop'"
+        )
+    if cfg.model.moe.num_experts and cfg.model.moe.bias_update_rate > 0:
+        p.append(
+            "fault_tolerance.enabled does not support model.moe.bias_update_rate > 0 yet: each "
+            "group would move its expert biases by its own token counts and the groups' "
+            "routing would drift apart. Set model.moe.bias_update_rate = 0 (the auxiliary "
+            "load-balancing loss still applies)"
         )
     if _streams(cfg):
         p.append(

@@ -29,6 +29,9 @@ from kiln.parallel.agree import decide_on_main
 from kiln.parallel.mesh import ParallelContext
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# Gradient shards are summed across groups in buckets of this size: one collective per bucket,
+# and never a second copy of all of a rank's gradients at once.
+BUCKET_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,22 @@ class ReplicaGroups:
         load_fn: Callable[[dict[str, Any]], None],
         events: EventLog,
     ):
+        self.cfg, self.group, self.events = cfg, parallel.replica_group, events
+        self.parallel, self.state_fn, self.load_fn = parallel, state_fn, load_fn
+        self.lighthouse = lighthouse_address(cfg)
+        decide_on_main(
+            lambda: check_reachable(self.lighthouse, timeout_s=cfg.connect_timeout_s),
+            what="reach the fault-tolerance lighthouse",
+        )
+        self.manager = None
+        self._healed = False
+        self.failed_in_a_row, self.last = 0, None
+        # A quorum is formed before each step and used by its commit.
+        self.in_quorum = False
+
+    def connect(self) -> None:
+        """Join the lighthouse: from here on the group heartbeats and counts in quorums, so
+        this comes last in start-up (a group that is slow to start holds no one back)."""
         # torchft logs every quorum and commit (its Rust side at INFO): kiln reports what
         # changes (events.jsonl, warnings). RUST_LOG set by the user wins.
         os.environ.setdefault("RUST_LOG", "warn")
@@ -59,17 +78,12 @@ class ReplicaGroups:
         # torchft reads a peer's tensors from a read-only buffer and copies them at once.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.http_transport import HTTPTransport
 
-        self.cfg, self.group, self.events = cfg, parallel.replica_group, events
-        self.lighthouse = lighthouse_address(cfg)
-        decide_on_main(
-            lambda: check_reachable(self.lighthouse, timeout_s=cfg.connect_timeout_s),
-            what="reach the fault-tolerance lighthouse",
-        )
-        self._healed = False
+        cfg, parallel = self.cfg, self.parallel
 
         def load(state: dict[str, Any]) -> None:
-            load_fn(state)
+            self.load_fn(state)
             self._healed = True
 
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -77,7 +91,7 @@ class ReplicaGroups:
         self.manager = Manager(
             pg=pg_type(timeout=timeout),
             load_state_dict=load,
-            state_dict=state_fn,
+            state_dict=self.state_fn,
             min_replica_size=cfg.min_replicas,
             # The quorum is awaited before the forward: a rejoining group loads its peer's
             # state first and trains the step with the others (no step of zeroed gradients).
@@ -87,6 +101,11 @@ class ReplicaGroups:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
             connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
+            # A peer's state is sent whole: its own bound, which the sender also waits on
+            # before its next update.
+            checkpoint_transport=HTTPTransport(
+                timeout=timedelta(seconds=cfg.recovery_timeout_s), num_chunks=0
+            ),
             rank=parallel.rank,
             world_size=parallel.world_size,
             lighthouse_addr=self.lighthouse,
@@ -94,13 +113,15 @@ class ReplicaGroups:
             replica_id=f"kiln_{self.group}",
             **_group_store(parallel.world_size),
         )
-        self.failed_in_a_row, self.last = 0, None
-        # A quorum is formed before each step and used by its commit.
-        self.in_quorum = False
 
     def start_step(self, step: int) -> Quorum:
         """The quorum of step `step` (1-based); a group behind the others loads a peer's
-        state in it. Raises KilnError when no quorum forms within its timeout."""
+        state in it. Raises KilnError when no quorum forms within its timeout, and when the
+        group's first quorum fails (its state could not be received: it would only hold the
+        live groups back)."""
+        first = self.manager is None
+        if first:
+            self.connect()
         self._healed = False
         try:
             self.manager.start_quorum()
@@ -112,6 +133,12 @@ class ReplicaGroups:
                 "Restart it and this group (it rejoins from a live peer, or every group "
                 "resumes from the last checkpoint)"
             ) from None
+        if first and self.manager.errored() is not None:
+            raise KilnError(
+                f"replica group {self.group} could not join the run: "
+                f"{first_line(self.manager.errored().original_exception)}. The live groups "
+                "train on; restart this group to try again"
+            )
         quorum = Quorum(
             participants=self.manager.num_participants(),
             replica_rank=self.manager.participating_rank(),
@@ -140,14 +167,23 @@ class ReplicaGroups:
             offset += tensor.numel()
 
     def sum_gradients(self, params: list[torch.nn.Parameter], extra: list[torch.Tensor]) -> None:
-        """Sum every gradient shard of this rank (and the `extra` values) over the groups,
-        in one collective per dtype: the ranks of one place in each group hold the same shards."""
+        """Sum every gradient shard of this rank (and the `extra` values) over the groups, in
+        buckets of one dtype and at most BUCKET_BYTES: the ranks of one place in each group
+        hold the same shards."""
         for param in params:
             if param.grad is None:  # unused this step here, perhaps not in another group
                 param.grad = torch.zeros_like(param)
         local = [_local(p.grad) for p in params] + extra
         for dtype in sorted({t.dtype for t in local}, key=str):
-            self.sum([t for t in local if t.dtype == dtype])
+            bucket, size = [], 0
+            for tensor in (t for t in local if t.dtype == dtype):
+                bucket.append(tensor)
+                size += tensor.numel() * tensor.element_size()
+                if size >= BUCKET_BYTES:
+                    self.sum(bucket)
+                    bucket, size = [], 0
+            if bucket:
+                self.sum(bucket)
 
     def commit(self, step: int) -> bool:
         """Whether every rank of every group in the quorum finished the step: the update is
@@ -158,7 +194,12 @@ class ReplicaGroups:
             return True
         self.failed_in_a_row += 1
         reason = self.manager.errored()
-        why = first_line(reason.original_exception) if reason is not None else "too few groups"
+        if reason is not None:
+            why = first_line(reason.original_exception)
+        elif self.last.participants < self.cfg.min_replicas:
+            why = f"too few groups ({self.last.participants} < fault_tolerance.min_replicas)"
+        else:
+            why = "another rank of the quorum failed in the step"
         self.events.write("not_committed", step=step, replica_group=self.group, reason=why)
         if self.failed_in_a_row >= self.cfg.max_failed_steps:
             raise KilnError(

@@ -8,7 +8,7 @@ losses, expert-parallel traffic, MoE balancing) plug in as hooks (kiln/train/ste
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -152,7 +152,13 @@ class TrainStep:
         # Only the last pipeline stage computed the loss; the sum over stages brings it to all.
         total = sum_over(sum_over(total, self.pipeline_group), self.parallel.data_group())
         if self.replicas is not None:
-            self.replicas.sum_gradients(self._params(), extra=[total])
+            # A stop or time limit in any group stops every group at this step (summed in
+            # the same collective as the gradients), so the writer saves it.
+            stops = torch.tensor(
+                [flags.stop, flags.time_up], dtype=total.dtype, device=total.device
+            )
+            self.replicas.sum_gradients(self._params(), extra=[total, stops])
+            flags = replace(flags, stop=bool(stops[0] > 0), time_up=bool(stops[1] > 0))
         grad_norm, per_param = self._clip()
         loss = total / valid
         agreed = self._agree(loss, grad_norm, flags)

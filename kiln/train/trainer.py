@@ -90,8 +90,8 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         if start.train_state is not None:  # before any weight is read
             self.loader.check_order(start.train_state)
-        self._restore(start) if self.replicas is None else self._join(start)
         self.nan_guard = NanGuard.from_config(cfg.resilience)
+        self._restore(start) if self.replicas is None else self._join(start)
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
             write_config(cfg, self.run_dir / "config.toml")
@@ -208,7 +208,7 @@ class Trainer:
         state there (no checkpoint read); one that is not starts from `start`."""
         if not self.replicas.start_step(self.step + 1).healed:
             self._restore(start)
-        self.replicas.set_step(self.step)
+            self.replicas.set_step(self.step)
 
     def _continue_from(self, state: dict) -> None:
         self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
@@ -216,13 +216,15 @@ class Trainer:
 
     def _peer_state(self) -> dict:
         """What a live group sends a rejoining one, at a step boundary."""
-        train = self._train_state() | {"step": self.step}
+        guard = {"nan_guard": (self.nan_guard.consecutive, self.nan_guard.skipped_total)}
+        train = self._train_state() | {"step": self.step} | guard
         return peer_state(train, self.parallel.degrees, self.model_parts, self.optimizers)
 
     def _load_peer_state(self, state: dict) -> None:
         own = {"train": {"fingerprint": self.fingerprint()}, "layout": self.parallel.degrees}
         check_same_run(self.parallel.replica_group, peer=state, own=own)
         load_local_state(self.model_parts, self.optimizers, state["parts"])
+        self.nan_guard.consecutive, self.nan_guard.skipped_total = state["train"]["nan_guard"]
         self._continue_from(state["train"])
 
     def _step_log(self) -> StepLog:

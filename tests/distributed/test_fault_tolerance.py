@@ -143,26 +143,43 @@ def test_a_run_without_failures_matches_plain_hsdp(tmp_path, demo_data, runs):
         assert_parity(records(run / f"replica_group_{group}"), hsdp)
 
 
-def test_a_lost_lighthouse_stops_every_group_with_its_message(tmp_path, demo_data):
-    """The documented rule: no quorum, no step. Each group stops at its next step, within the
-    quorum timeout, naming the lighthouse; the run resumes from its last checkpoint."""
+def test_a_signal_to_one_group_stops_all_then_a_lost_lighthouse_stops_all(tmp_path, demo_data):
+    """SIGTERM to one group stops every group at the same step, with the writer's checkpoint;
+    started again, the groups resume from it. Then the documented rule for a lost lighthouse:
+    no quorum, no step; each group stops at its next step, within the quorum timeout, naming
+    the lighthouse."""
     run, logs = tmp_path / "run", tmp_path / "logs"
-    base = kiln_args(run, demo_data, "--train.max_steps=200", "--checkpoint.interval=2")
+    base = kiln_args(run, demo_data, "--train.max_steps=200", "--checkpoint.interval=0")
     with lighthouse(logs / "lighthouse.txt") as house:
-        groups = [
-            start_ranks(1, [*base, *fault_tolerance(house.address, g)], logs / f"group_{g}")
-            for g in (0, 1)
-        ]
+
+        def start(name: str) -> list:
+            return [
+                start_ranks(1, [*base, *fault_tolerance(house.address, g)], logs / f"{name}_{g}")
+                for g in (0, 1)
+            ]
+
+        groups = start("first")
         everyone = groups[0] + groups[1]
         both_in = lambda: any(e["participants"] == 2 for e in group_events(run, 1, "quorum"))  # noqa: E731
         wait_until(both_in, everyone, "both groups in one quorum")
+        groups[1][0].send_signal(signal.SIGTERM)
+        assert wait_all(everyone, timeout=120) == [75, 75]  # stopped after a checkpoint
+        stops = [group_events(run, g, "stop")[-1]["step"] for g in (0, 1)]
+        assert stops[0] == stops[1]
+
+        groups = start("again")
+        everyone = groups[0] + groups[1]
+        resumed = lambda: len(group_events(run, 1, "quorum")) > 2  # noqa: E731
+        wait_until(resumed, everyone, "the groups' quorums after the restart")
         house.kill()
         lost = time.monotonic()
         codes = wait_all(everyone, timeout=QUORUM_TIMEOUT_S + 30)
     assert time.monotonic() - lost < QUORUM_TIMEOUT_S + 20  # one quorum timeout, and the exit
     assert codes == [2, 2]  # kiln train's exit code for an error it explains
+    # The first group back reads the checkpoint; the other one too, or heals from it.
+    checkpoint = run / "checkpoints" / f"step_{stops[0]:08d}"
+    assert any(f"resumed from {checkpoint}" in log(logs / f"again_{g}") for g in (0, 1))
     for group in (0, 1):
-        output = log(logs / f"group_{group}")
+        output = log(logs / f"again_{group}")
         assert f"replica group {group}: no quorum for step" in output
         assert f"Is the lighthouse at {house.address} still running?" in output
-    assert (run / "checkpoints" / "latest").is_file()

@@ -46,6 +46,7 @@ def test_one_replica_group_is_refused_with_the_reason():
         ("--fault_tolerance.max_failed_steps=0", "max_failed_steps must be >= 1"),
         ("--data.streaming=true", "reads prepared (or tokenized) datasets only"),
         ("--checkpoint.async_mode=async", "saves checkpoints synchronously only"),
+        ("--resilience.nan_action=rollback", "rolling back to a checkpoint is not supported"),
     ],
 )
 def test_each_bad_setting_has_its_message(override, expected):
