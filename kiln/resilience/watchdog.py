@@ -14,6 +14,10 @@ from kiln.log import warn
 from kiln.resilience import flight_recorder
 from kiln.resilience.exit_codes import HUNG
 
+# How long a hung rank spends on its flight-recorder dump before it exits anyway: the dump
+# waits up to 5 s for the other ranks' dumps.
+DUMP_SECONDS = 15.0
+
 
 class StepWatchdog:
     def __init__(self, timeout_s: float, *, rank: int):
@@ -66,9 +70,16 @@ class StepWatchdog:
             f"follow, then this process exits with code {HUNG}"
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        try:  # the summary may name the rank this one waits for; the exit must happen regardless
+        # The summary may name the rank this one waits for, but the exit must happen even if
+        # writing it hangs too (a stuck shared filesystem is a common cause of hangs).
+        writer = threading.Thread(target=self._dump_flight_record, daemon=True)
+        writer.start()
+        writer.join(DUMP_SECONDS)
+        sys.stderr.flush()
+        os._exit(HUNG)
+
+    def _dump_flight_record(self) -> None:
+        try:
             flight_recorder.dump(f"step {self._step} ran past resilience.step_timeout_s")
         except Exception as error:
             warn(f"rank {self.rank}: the flight recorder could not be written: {error}")
-        sys.stderr.flush()
-        os._exit(HUNG)
