@@ -61,6 +61,8 @@ groups=$((${#hosts[@]} / per_group))
 ((groups >= 2)) || fail "fault tolerance needs at least 2 replica groups; this job has $groups"
 lighthouse="http://${hosts[0]}:${KILN_LIGHTHOUSE_PORT:-29510}"
 restarts_left=${KILN_GROUP_RESTARTS:-3}
+# The lighthouse's quorum and kiln's commit rule take the same number of live groups.
+min_replicas=${KILN_MIN_REPLICAS:-1}
 rdzv_port=${KILN_RDZV_PORT:-29500}
 
 log "job $job_id: $groups replica groups of $per_group node(s) x $nproc processes," \
@@ -68,7 +70,7 @@ log "job $job_id: $groups replica groups of $per_group node(s) x $nproc processe
 
 # The lighthouse forms each step's quorum; a dead group is dropped after its heartbeat timeout.
 srun --nodes=1 --ntasks=1 --overlap --nodelist="${hosts[0]}" \
-    torchft_lighthouse --min_replicas "${KILN_MIN_REPLICAS:-1}" \
+    torchft_lighthouse --min_replicas "$min_replicas" \
     --bind "[::]:${KILN_LIGHTHOUSE_PORT:-29510}" --join_timeout_ms 10000 &
 lighthouse_pid=$!
 
@@ -87,7 +89,7 @@ start_group() {
         --rdzv-id="$job_id-$group-${attempts[group]}" \
         -m kiln train "$config" "$@" --distributed.dp_replicate="$groups" \
         --fault_tolerance.enabled=true --fault_tolerance.replica_group="$group" \
-        --fault_tolerance.lighthouse="$lighthouse" &
+        --fault_tolerance.lighthouse="$lighthouse" --fault_tolerance.min_replicas="$min_replicas" &
     pids[group]=$!
 }
 

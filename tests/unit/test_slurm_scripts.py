@@ -315,6 +315,7 @@ def test_replica_groups_start_a_lighthouse_and_restart_a_failed_group(fake):
             "--distributed.dp_replicate=2",
             "--fault_tolerance.enabled=true",
             "--fault_tolerance.lighthouse=http://gpu-001:29510",
+            "--fault_tolerance.min_replicas=1",
         ):
             assert arg in args, (arg, args)
     assert "replica group 1 exited with 1; restarting it" in proc.stdout
