@@ -157,7 +157,15 @@ def _timed_all_reduce(
     `timeout`."""
     _post_stage(f"the all-reduce over {stage}")
     began = time.perf_counter()
-    dist.all_reduce(payload, group=group, async_op=True).wait(timeout)
+    work = dist.all_reduce(payload, group=group, async_op=True)
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        # A backend written in Python (a Future-wrapping work) has no bounded wait: the
+        # backend's own collective timeout bounds this one.
+        if "with finite timeout not implemented" not in str(error):
+            raise
+        work.wait()
     if payload.is_cuda:
         torch.cuda.synchronize(payload.device)  # NCCL's wait only orders the stream
     return time.perf_counter() - began
