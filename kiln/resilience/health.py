@@ -44,8 +44,8 @@ def preflight(
     hosts = flight_recorder.install(
         Path(cfg.metrics.run_dir), distributed=mesh is not None, cuda=device.type == "cuda"
     )
-    if not cfg.resilience.preflight:
-        return
+    if not cfg.resilience.preflight or (mesh is None and device.type != "cuda"):
+        return  # one CPU process: no GPU and no link to check
     rank = 0 if mesh is None else dist.get_rank()
     if mesh is not None:
         _post_stage("the GPU check" if device.type == "cuda" else "the start of the check")
@@ -61,7 +61,8 @@ def preflight(
         for line in slow:
             warn(f"health check: {line}")
         info(f"health check: {overview(reports, hosts)}")
-    events.write("preflight", slow=slow, overview=overview(reports, hosts))
+    if slow:  # a run that starts well leaves no trace before it has started
+        events.write("preflight", slow=slow, overview=overview(reports, hosts))
 
 
 def assess(reports: list[dict], hosts: list[str], cfg: ResilienceConfig) -> tuple[list, list]:

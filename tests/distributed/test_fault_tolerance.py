@@ -167,10 +167,15 @@ def test_a_signal_to_one_group_stops_all_then_a_lost_lighthouse_stops_all(tmp_pa
         stops = [group_events(run, g, "stop")[-1]["step"] for g in (0, 1)]
         assert stops[0] == stops[1]
 
+        restarted = time.time()
         groups = start("again")
         everyone = groups[0] + groups[1]
-        resumed = lambda: len(group_events(run, 1, "quorum")) > 2  # noqa: E731
-        wait_until(resumed, everyone, "the groups' quorums after the restart")
+        together = lambda: any(  # noqa: E731
+            e["participants"] == 2 and e["time"] > restarted
+            for g in (0, 1)
+            for e in group_events(run, g, "quorum")
+        )
+        wait_until(together, everyone, "both groups in one quorum after the restart")
         house.kill()
         lost = time.monotonic()
         codes = wait_all(everyone, timeout=QUORUM_TIMEOUT_S + 30)

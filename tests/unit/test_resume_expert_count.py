@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kiln.train.trainer
+import kiln.parallel.apply
 from kiln.checkpoint.fingerprint import run_fingerprint
 from kiln.checkpoint.manager import CheckpointManager, StartKind
 from kiln.config import JobConfig, ModelConfig, MoEConfig
@@ -101,7 +101,7 @@ def test_a_trainer_refuses_before_building_the_model(debug_overrides, monkeypatc
     def no_model(*_args, **_kwargs):
         raise AssertionError("the model was built before the expert count was checked")
 
-    monkeypatch.setattr(kiln.train.trainer, "build_model", no_model)
+    monkeypatch.setattr(kiln.parallel.apply, "build_model", no_model)
     with pytest.raises(ConfigError, match=r"8 experts per MoE block.*but this model has 4"):
         make_trainer(
             moe, "--train.max_steps=8", "--model.moe.num_experts=4", "--checkpoint.resume=force"
