@@ -91,9 +91,9 @@ def kiln_train_with_weights_nudged(args: list[str], nudge_seed: int) -> None:
     random: the last-bit differences another CPU's reduction leaves in the weights, here."""
     import torch
 
-    import kiln.train.trainer as trainer
+    import kiln.parallel.apply as apply
 
-    materialize = trainer.materialize
+    materialize = apply.materialize
 
     def nudged(part, *, device, seed=None):
         materialize(part, device=device, seed=seed)
@@ -104,11 +104,11 @@ def kiln_train_with_weights_nudged(args: list[str], nudge_seed: int) -> None:
                 param.copy_(torch.nextafter(param, torch.where(up, math.inf, -math.inf)))
         return part
 
-    trainer.materialize = nudged
+    apply.materialize = nudged
     try:
         kiln_train(args)
     finally:
-        trainer.materialize = materialize
+        apply.materialize = materialize
 
 
 def test_the_float8_band_covers_last_bit_differences_in_the_weights(
