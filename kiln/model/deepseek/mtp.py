@@ -12,11 +12,16 @@ checkpoints' `eh_proj` does (the report writes it the other way round: the same 
 the projection's two column blocks swapped).
 
 The tokens ahead come from the labels (labels[i] = t_{i+1}): t_{i+k} = labels[i+k-1] and the
-target t_{i+k+1} = labels[i+k]; a position whose token ahead is masked or past the end has no
-target. Under context parallel a rank holds chunks of each sequence, and the tokens ahead of
-its last positions sit on another rank: the model takes the whole sequences' labels and reads
-them at its global positions. The extra loss enters the backward through `attach_aux_loss`, and
-each depth's loss sum and token count are kept for the step's records (`take_losses`)."""
+target t_{i+k+1} = labels[i+k]. Depth k's target at i depends on labels[i..i+k] (each depth's
+token ahead up to k, through h^{k-1}_i, and the target itself), and counts only when none of
+them is masked or past the end. Under data.document_mask a masked label marks a document
+boundary, so no depth predicts across one; the placeholder id embedded for a masked token
+ahead reaches no target that counts (attention keeps to the document, and its later positions
+have the same masked label in their chains). Under context parallel a rank holds chunks of
+each sequence, and the tokens ahead of its last positions sit on another rank: the model takes
+the whole sequences' labels and reads them at its global positions. The extra loss enters the
+backward through `attach_aux_loss`, and each depth's loss sum and token count are kept for the
+step's records (`take_losses`)."""
 
 from __future__ import annotations
 
@@ -100,13 +105,12 @@ class MultiTokenPrediction(nn.Module):
         arguments (mask, ...) the main blocks took."""
         if positions is None:
             positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
-        total = None
+        total, broken = None, torch.zeros_like(positions, dtype=torch.bool)
         for key, depth in self.depths.items():
             k = int(key)
             ahead = tokens_ahead(labels, positions, k - 1)
-            targets = tokens_ahead(labels, positions, k).masked_fill(
-                ahead == IGNORE_INDEX, IGNORE_INDEX
-            )
+            broken = broken | (ahead == IGNORE_INDEX)  # a masked label in labels[i..i+k-1]
+            targets = tokens_ahead(labels, positions, k).masked_fill(broken, IGNORE_INDEX)
             hidden, normed = depth(hidden, embed(ahead.clamp(min=0)), *rope, **block_args)
             loss_sum = _local(
                 F.cross_entropy(
