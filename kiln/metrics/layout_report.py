@@ -15,16 +15,24 @@ from kiln.plan.model_state import expert_shards
 
 
 def startup_summary(
-    cfg: JobConfig, world_size: int, start_path: Path | None, start_step: int
+    cfg: JobConfig,
+    world_size: int,
+    start_path: Path | None,
+    start_step: int,
+    *,
+    peer_start: str | None = None,
 ) -> str:
     """What `kiln train` prints on rank 0 before the first step: the model, `layout_report`,
-    where the run writes and where it starts from."""
+    where the run writes and where it starts from (`peer_start`: the state a live replica group
+    sent this one under fault tolerance, in place of a checkpoint or scratch)."""
     m = cfg.model
     model = f"model {m.preset or 'custom'}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads"
     model += f" of {m.resolved_head_dim}"
     if m.moe.num_experts > 0:
         model += f", {m.moe.num_experts} experts top-{m.moe.top_k}"
-    start = f"{start_path} (step {start_step})" if start_path is not None else "scratch"
+    start = peer_start or (
+        f"{start_path} (step {start_step})" if start_path is not None else "scratch"
+    )
     lines = [
         model,
         *layout_report(cfg, world_size),

@@ -25,10 +25,13 @@ from torch.distributed.tensor import DTensor
 from kiln.config.sections import FaultToleranceConfig, JobConfig
 from kiln.errors import ConfigError, KilnError, first_line
 from kiln.events import EventLog
+from kiln.log import info, warn
 from kiln.parallel.agree import decide_on_main
 from kiln.parallel.mesh import ParallelContext
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# The key of the sending group's number in what a live group sends a rejoining one.
+SENDER = "replica_group"
 # Gradient shards are summed across groups in buckets of this size: one collective per bucket,
 # and never a second copy of all of a rank's gradients at once.
 BUCKET_BYTES = 256 * 2**20
@@ -54,17 +57,27 @@ class ReplicaGroups:
         state_fn: Callable[[], dict[str, Any]],
         load_fn: Callable[[dict[str, Any]], None],
         events: EventLog,
+        group_batch: int,
     ):
+        """`group_batch`: the sequences one group trains per step (its share of the global
+        batch)."""
         self.cfg, self.group, self.events = cfg, parallel.replica_group, events
         self.parallel, self.state_fn, self.load_fn = parallel, state_fn, load_fn
+        self.group_batch = group_batch
         self.lighthouse = lighthouse_address(cfg)
         decide_on_main(
             lambda: check_reachable(self.lighthouse, timeout_s=cfg.connect_timeout_s),
             what="reach the fault-tolerance lighthouse",
         )
-        self.manager = None
+        self.manager, self.pg = None, None
         self._healed = False
         self.failed_in_a_row, self.last = 0, None
+        # The groups of the last quorum, and the last step that did not commit (and why): what
+        # rank 0 says when the groups change.
+        self.members: tuple[int, ...] = ()
+        self.not_committed: tuple[int, str] | None = None
+        # Where this group's state came from when it healed: (peer group, the peer's step).
+        self.healed_from: tuple[int, int] | None = None
         # A quorum is formed before each step and used by its commit.
         self.in_quorum = False
 
@@ -85,13 +98,18 @@ class ReplicaGroups:
         def load(state: dict[str, Any]) -> None:
             self.load_fn(state)
             self._healed = True
+            self.healed_from = state[SENDER], self.manager.current_step()
+
+        def send() -> dict[str, Any]:
+            return self.state_fn() | {SENDER: self.group}
 
         timeout = timedelta(seconds=cfg.timeout_s)
         pg_type = ProcessGroupNCCL if parallel.device.type == "cuda" else ProcessGroupGloo
+        self.pg = _naming_groups(pg_type)(timeout=timeout)
         self.manager = Manager(
-            pg=pg_type(timeout=timeout),
+            pg=self.pg,
             load_state_dict=load,
-            state_dict=self.state_fn,
+            state_dict=send,
             min_replica_size=cfg.min_replicas,
             # The quorum is awaited before the forward: a rejoining group loads its peer's
             # state first and trains the step with the others (no step of zeroed gradients).
@@ -153,8 +171,54 @@ class ReplicaGroups:
                 replica_rank=quorum.replica_rank,
                 healed=quorum.healed,
             )
+        if self.parallel.is_main:
+            self._say_who_trains(step, quorum)
+        self.members = self.pg.groups
         self.last, self.in_quorum = quorum, True
         return quorum
+
+    def _say_who_trains(self, step: int, quorum: Quorum) -> None:
+        """One line when the groups that train change: which group left or joined (this one
+        from whom), and the global batch the step trains now."""
+        left = sorted(set(self.members) - set(self.pg.groups))
+        joined = sorted(set(self.pg.groups) - set(self.members))
+        if quorum.healed:
+            peer, peer_step = self.healed_from
+            what = (
+                f"replica group {self.group} joined at step {peer_step + 1} from group {peer} "
+                "(its weights, optimizer state and data position; no checkpoint read)"
+            )
+        elif self.last is None or not (left or joined):
+            return  # this group's start: the start-up summary says where it starts from
+        else:
+            changes = [f"group {g} left" for g in left] + [f"group {g} joined" for g in joined]
+            what = f"replica group {self.group}: {', '.join(changes)} at step {step}"
+            if left and self.not_committed is not None and self.not_committed[0] == step:
+                # The error is long, and torchft logs it above: events.jsonl keeps it.
+                what += f" (step {step} did not commit and is trained again; events.jsonl says why)"
+        groups = self.parallel.replica_groups
+        batch = self.group_batch * quorum.participants
+        line = (
+            f"{what}; {'this group trains on' if left else 'training'} with "
+            f"{quorum.participants} of {groups} groups: global batch {batch} sequences"
+        )
+        out = sorted(set(range(groups)) - set(self.pg.groups))
+        if out:
+            names = (
+                f"group {out[0]} rejoins"
+                if len(out) == 1
+                else f"groups {', '.join(map(str, out))} rejoin"
+            )
+            line += f" ({self.group_batch * groups} with every group) until {names}"
+        (warn if left else info)(line)
+
+    def peer_start(self) -> str | None:
+        """Where this group started from when a live group sent it its state (for the start-up
+        summary); None when it did not."""
+        if self.healed_from is None:
+            return None
+        peer, step = self.healed_from
+        return f"replica group {peer}'s state at step {step} (no checkpoint read)"
 
     def sum(self, tensors: list[torch.Tensor]) -> None:
         """Sum `tensors` in place over the groups of this step's quorum, in one collective. A
@@ -201,6 +265,7 @@ class ReplicaGroups:
         else:
             why = "another rank of the quorum failed in the step"
         self.events.write("not_committed", step=step, replica_group=self.group, reason=why)
+        self.not_committed = step, why
         if self.failed_in_a_row >= self.cfg.max_failed_steps:
             raise KilnError(
                 f"replica group {self.group} gives up: {self.failed_in_a_row} steps in a row "
@@ -233,7 +298,10 @@ def join_replica_groups(
     if not cfg.fault_tolerance.enabled:
         return None
     ft = cfg.fault_tolerance
-    return ReplicaGroups(ft, parallel, state_fn=state_fn, load_fn=load_fn, events=events)
+    group_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * parallel.group_data_ranks
+    return ReplicaGroups(
+        ft, parallel, state_fn=state_fn, load_fn=load_fn, events=events, group_batch=group_batch
+    )
 
 
 def group_run_config(cfg: JobConfig) -> JobConfig:
@@ -290,6 +358,41 @@ def _group_store(world_size: int) -> dict[str, Any]:
 
 
 _STORES: list[torch.distributed.TCPStore] = []
+
+
+def _naming_groups(pg_type: type) -> type:
+    """torchft's process group `pg_type`, keeping which replica groups the current quorum's
+    spans (`groups`): torchft hands it the quorum's ranks (group × group size + rank) and does
+    not say otherwise who is in a quorum."""
+
+    class NamingGroups(pg_type):
+        groups: tuple[int, ...] = ()
+
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            if global_ranks and group_world_size:
+                self.groups = tuple(sorted({r // group_world_size for r in global_ranks}))
+            super().configure(
+                store_addr,
+                replica_id,
+                rank,
+                world_size,
+                quorum_id,
+                group_rank,
+                group_world_size,
+                global_ranks,
+            )
+
+    return NamingGroups
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,20 @@ def test_a_killed_group_is_dropped_then_rejoins_from_the_live_one(tmp_path, demo
         assert wait_all(group_0 + again, timeout=240) == [0] * 4
     healed = [e for e in group_events(run, 1, "quorum") if e["healed"]]
     assert healed[-1]["step"] > killed_at  # from the live group: there is no checkpoint
+    # The console says it: the survivor once per group lost (the killed one, the refused one),
+    # with the global batch it trains on (8 sequences a group), and the healed group whence.
+    survivor = log(logs / "group_0")
+    sizes = [e["participants"] for e in group_events(run, 0, "quorum")]
+    drops = sum(b < a for a, b in itertools.pairwise(sizes))
+    assert survivor.count("replica group 0: group 1 left at step") == drops >= 1
+    assert (
+        "this group trains on with 1 of 2 groups: global batch 8 sequences (16 with every "
+        "group) until group 1 rejoins"
+    ) in survivor
+    joins = sum(b > a for a, b in itertools.pairwise(sizes))
+    assert survivor.count("replica group 0: group 1 joined at step") == joins >= 2
+    step = healed[-1]["step"]
+    assert f"replica group 1 joined at step {step} from group 0" in log(logs / "again")
     # Every step of the run trained once in group 0, the dead group's failed step included
     # (it was not committed, and redone on the next batch).
     assert logged_steps(run / "replica_group_0") == list(range(1, steps + 1))
