@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from kiln.checkpoint.state import (
 from kiln.checkpoint.store import Location, location, store_for
 from kiln.config import JobConfig, ModelConfig, config_from_dict
 from kiln.errors import KilnError, first_line
+from kiln.parallel.agree import decide_on_main
 
 
 def save_checkpoint(
@@ -59,6 +61,23 @@ def save_checkpoint(
     return record.path
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """A checkpoint to load as rank 0 judged it: its step folder, train state and the files its
+    marker lists (None: a marker of an older kiln that lists none)."""
+
+    path: Location
+    train_state: dict[str, Any]
+    files: frozenset[str] | None
+
+
+def choose_checkpoint(path: Location | str) -> Chosen:
+    """Resolve and judge `path` (see layout.resolve_checkpoint) and read what loading it needs."""
+    path = layout.resolve_checkpoint(path)
+    manifest = layout.read_manifest(path)
+    return Chosen(path, read_train_state(path), None if manifest is None else frozenset(manifest))
+
+
 def load_checkpoint(
     path: Location | str,
     *,
@@ -66,8 +85,12 @@ def load_checkpoint(
     optimizer: Optimizers = None,
     restore_rng: bool = False,
 ) -> dict[str, Any]:
-    """Load weights (and optimizer state, RNG when asked) in place; return the saved train state."""
-    path = layout.resolve_checkpoint(path)
+    """Load weights (and optimizer state, RNG when asked) in place; return the saved train state.
+    Collective: rank 0 resolves and judges the checkpoint and sends its choice; the other ranks
+    read only the files it names, never a listing (a lagging or throttled view of the store on
+    one rank would otherwise fail it while the others wait in DCP's collectives)."""
+    chosen = decide_on_main(lambda: choose_checkpoint(path), what="choose the checkpoint to load")
+    path = chosen.path
     store = store_for(path)
     parts = state_dicts(model, optimizer)
     state = merged(parts)
@@ -98,10 +121,13 @@ def load_checkpoint(
             loaded = {k: state["optim"][k] for k in part["optim"]}
             set_optimizer_state_dict(module, optim, loaded, options=FLAT)
     if restore_rng:
-        rng_file = path / "rng" / f"rank_{rank():05d}.pt"
-        if store.is_file(rng_file):
-            set_rng_state(torch.load(io.BytesIO(store.read_bytes(rng_file)), weights_only=False))
-    return read_train_state(path)
+        rng_file = f"rng/rank_{rank():05d}.pt"
+        # A layout with more ranks than the save has no RNG state for the new ones.
+        saved = store.is_file(path / rng_file) if chosen.files is None else rng_file in chosen.files
+        if saved:
+            rng = torch.load(io.BytesIO(store.read_bytes(path / rng_file)), weights_only=False)
+            set_rng_state(rng)
+    return chosen.train_state
 
 
 def _saved_keys(path: Location) -> set[str]:

@@ -16,13 +16,23 @@ save is committed differs.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import tempfile
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.checkpoint.store import MARKER, Location, location, store_for, sync_path
+from kiln.checkpoint.store import (
+    MARKER,
+    CheckpointStore,
+    Location,
+    location,
+    store_for,
+    sync_path,
+)
 from kiln.errors import KilnError
 
 __all__ = ["MARKER", "sync_path"]  # names other modules have always imported from here
@@ -70,15 +80,50 @@ def latest_complete(root: Location | str) -> Location | None:
     return steps[-1][1] if steps else None
 
 
-def commit(root: Location | str, step: int) -> Location:
-    """Mark the staged save of `step` complete with the manifest of its files, make it the
-    committed folder and point `latest` at it (durably and atomically on a filesystem: see
-    LocalStore.publish; marker object last in an object store)."""
+def commit(root: Location | str, step: int, *, written: Iterable[str]) -> Location:
+    """Mark the staged save of `step` complete with the manifest of the files its writers
+    reported (`written`, names relative to the step folder), make it the committed folder and
+    point `latest` at it (durably and atomically on a filesystem: see LocalStore.publish; marker
+    object last in an object store). The names come from the writers, not from a listing: an
+    object store's listing may not show an object yet, and a manifest without it would pass the
+    damage check and fail to load."""
     root = location(root)
     store = store_for(root)
-    files = store.files(store.staging(root, step))
+    files = _sizes_once_visible(store, store.staging(root, step), set(written))
     marker = json.dumps({"step": step, "files": files}, indent=1) + "\n"
     return store.publish(root, step, marker, f"step_{step:08d}\n")
+
+
+# How long a commit waits for written objects to appear in the store's listing (seconds, between
+# tries): enough for an object store's listing to catch up, short enough to fail a save promptly.
+_LISTING_WAITS = (0.2, 0.5, 1.0, 2.0, 4.0)
+
+
+def _sizes_once_visible(
+    store: CheckpointStore, staged: Location, names: set[str]
+) -> dict[str, int]:
+    """Each written file's size from the store's listing, once the listing shows them all."""
+    waits = iter(_LISTING_WAITS)
+    while True:
+        present = store.files(staged)
+        missing = sorted(names - present.keys())
+        if not missing:
+            return {name: present[name] for name in sorted(names)}
+        wait = next(waits, None)
+        if wait is None:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"{len(missing)} written file(s) never appeared in the store's listing",
+                str(staged / missing[0]),
+            )
+        time.sleep(wait)
+
+
+def read_manifest(path: Location) -> dict[str, int] | None:
+    """The files a committed checkpoint's marker lists with their sizes (None: a marker of an
+    older kiln version, which holds only the step)."""
+    manifest = json.loads(store_for(path).read_bytes(path / MARKER).decode())
+    return manifest.get("files") if isinstance(manifest, dict) else None
 
 
 def damage(path: Location) -> str | None:
@@ -144,14 +189,20 @@ def resume_candidates(root: Location | str) -> tuple[Location | None, list[Skipp
 
 
 def prune(root: Location | str, keep_last_n: int, *, keep: Location) -> None:
-    """Delete all but the newest `keep_last_n` complete checkpoints (0 keeps everything);
-    `keep`, the one just written, always stays."""
+    """Keep the newest `keep_last_n` intact checkpoints (0 keeps everything) and delete the
+    complete ones older than them; `keep`, the one just written, always stays and counts. A
+    damaged checkpoint newer than those kept is not counted (it cannot be resumed from) and stays
+    for a person to look at; the run overwrites it when it saves that step again."""
     if keep_last_n <= 0:
         return
     root = location(root)
-    for _, path in complete_steps(root)[:-keep_last_n]:
-        if path != keep:
-            store_for(root).remove(path)
+    intact = 0
+    for _, path in reversed(complete_steps(root)):
+        if intact >= keep_last_n:
+            if path != keep:
+                store_for(root).remove(path)
+        elif path == keep or damage(path) is None:
+            intact += 1
 
 
 def remove_partials(root: Location | str) -> None:

@@ -26,7 +26,9 @@ from kiln.checkpoint.layout import (
     resolve_checkpoint,
     resume_candidates,
 )
+from kiln.checkpoint.lease import Lease, run_identity
 from kiln.checkpoint.saver import CheckpointSaver, SaveRecord
+from kiln.checkpoint.shared_dir import check_one_filesystem
 from kiln.checkpoint.state import Modules, Optimizers
 from kiln.checkpoint.store import Location, location, store_for
 from kiln.config import JobConfig, ModelConfig, MoEConfig
@@ -82,6 +84,9 @@ class CheckpointManager:
         self.device = device
         self.saver: CheckpointSaver | None = None
         self.last_saved_step: int | None = None
+        self.run_dir = str(Path(cfg.metrics.run_dir).absolute())
+        self.fault_tolerant = cfg.fault_tolerance.enabled
+        self.lease: Lease | None = None
 
     def check_sources(self) -> None:
         """Before anything is built: what to load exists, and no other run's checkpoints are in
@@ -102,7 +107,10 @@ class CheckpointManager:
         with other settings, unless checkpoint.resume = 'force'), else checkpoint.load_path,
         else scratch. The newest saved step starts as the step resumed from."""
         start = decide_on_main(lambda: self._start_point(fingerprint), what="choose where to start")
-        self.last_saved_step = start.step if start.kind is StartKind.RESUME else None
+        resumed = start.kind is StartKind.RESUME
+        self.last_saved_step = start.step if resumed else None
+        if self.saver is not None and resumed:
+            self.saver.newest = start.path
         return start
 
     def _start_point(self, fingerprint: dict[str, Any]) -> StartPoint:
@@ -204,14 +212,26 @@ class CheckpointManager:
                 lambda: store_for(self.dir).check_writable(self.dir), what="write checkpoints"
             )
 
-    def open_for_writing(self) -> None:
+    def open_for_writing(self, *, collective_timeout_s: float) -> None:
+        """Before anything is written: the location is writable, one filesystem for every node
+        (a local path), and this run's alone (its lease, kiln/checkpoint/lease.py)."""
         self.probe_writable()
+        if self.will_save:
+            check_one_filesystem(self.dir)
+            decide_on_main(self._take_lease, what="take the checkpoint location")
         self.saver = CheckpointSaver(
             self.dir,
             keep_last_n=self.cfg.keep_last_n,
             async_mode=self.cfg.async_mode,
             device=self.device,
+            timeout_s=collective_timeout_s,
         )
+
+    def _take_lease(self) -> None:
+        shared = str(self.dir) if self.fault_tolerant else None
+        lease = Lease(self.dir, run=run_identity(fault_tolerant_dir=shared), run_dir=self.run_dir)
+        lease.take(wait_s=self.cfg.owner_wait_s)
+        self.lease = lease
 
     def save(self, step: int, **state: Any) -> None:
         """Checkpoint `step` (in the background with checkpoint.async_mode = "async", after
@@ -260,15 +280,20 @@ class CheckpointManager:
         return self.saver.last_seconds
 
     def close(self, *, after_step: int) -> None:
-        """Collective: commit the save in flight and release the saver."""
+        """Collective: commit the save in flight, release the saver and the location's lease."""
         if self.saver is not None:
             self._committed(self.saver.close(after_step=after_step))
+        if self.lease is not None:
+            self.lease.release()
 
     def rollback(self, *, at_step: int, model: Modules, optimizer: Optimizers) -> dict:
         """Back from `at_step` to the newest committed checkpoint (agreed on rank 0); its train
         state."""
         self._committed(self.saver.wait(after_step=at_step))
-        newest = decide_on_main(lambda: latest_complete(self.dir), what="find a checkpoint")
+        # Judged as a resume judges: never the damaged checkpoint a resume passed over.
+        newest = decide_on_main(
+            lambda: resume_candidates(self.dir)[0], what="find a checkpoint to roll back to"
+        )
         if newest is None:
             raise KilnError(
                 "resilience.nan_action = 'rollback' but there is no checkpoint to return to; "
@@ -276,12 +301,22 @@ class CheckpointManager:
             )
         state = load_checkpoint(newest, model=model, optimizer=optimizer)
         self.last_saved_step = state["step"]
+        self.saver.newest = newest
         self.events.write("rollback", from_step=at_step, step=state["step"], path=newest)
         return state | {"path": newest}
 
     def newest(self) -> Location | None:
-        """The newest committed checkpoint, for messages."""
-        return latest_complete(self.dir)
+        """The newest intact checkpoint, for messages: the resume point, then each commit and
+        rollback, kept in memory the same on every rank (an error path on any rank names it
+        without listing). Rank 0 judges the folder when this process committed none (another
+        replica group writes the run's checkpoints)."""
+        known = self.saver.newest if self.saver is not None else None
+        if known is None and is_main():
+            try:
+                known = resume_candidates(self.dir)[0]
+            except OSError:
+                return None
+        return known
 
 
 # Settings a warm start may change: they do not change what the loaded weights compute.

@@ -10,6 +10,7 @@ complete.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -127,6 +128,11 @@ class FsspecStore:
             names.remove(marker)
         if names:
             self.fs.rm(names)
+
+    @_reaching("delete")
+    def remove_file(self, path: Location) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(str(path))
 
     def check_writable(self, root: Location) -> None:
         probe = root / probe_name()

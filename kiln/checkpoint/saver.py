@@ -20,6 +20,7 @@ every rank (see CheckpointManager), and a failure on any rank is raised on all o
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import json
 import time
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from kiln.checkpoint import layout
@@ -71,6 +73,7 @@ class _InFlight:
     future: Future
     started: float
     staged_s: float
+    own_files: list[str]
     finished: float | None = None
 
 
@@ -82,19 +85,26 @@ class CheckpointSaver:
         keep_last_n: int = 0,
         async_mode: str = "disabled",
         device: torch.device | None = None,
+        timeout_s: float | None = None,
     ):
         self.root = location(root)
         self.store = store_for(self.root)
         self.keep_last_n = keep_last_n
         self.in_flight: _InFlight | None = None
+        # The newest intact checkpoint, for messages: the resume point, then each commit. Kept
+        # here, the same on every rank, so an error on any rank names it without a listing.
+        self.newest: Location | None = None
         # Wall time of the last save from its start until written (the background part too).
         self.last_seconds = 0.0
         self._group = self._stager = None
         if async_mode == "async":
             on_gpu = device is not None and device.type == "cuda"
             # The background thread runs DCP's collectives; on the training group they would
-            # interleave with the training loop's, so it gets a CPU group of its own.
-            self._group = dist.new_group(backend="gloo") if distributed() else None
+            # interleave with the training loop's, so it gets a CPU group of its own, bounded
+            # like the training group's (resilience.collective_timeout_s), not by torch's 30 min.
+            timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+            group = dist.new_group(backend="gloo", timeout=timeout) if distributed() else None
+            self._group = group
             if not distributed():  # DCP's warning about one process, raised in its thread
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             self._stager = DefaultStager(
@@ -121,6 +131,7 @@ class CheckpointSaver:
         self.wait(after_step=step)  # one save in flight at most
         started = time.monotonic()
         partial = layout.partial_dir(self.root, step)
+        own_files = _own_files(tokenizer=tokenizer_path is not None)
         failure = None
         if rank() == 0:
             failure = self._attempt(
@@ -139,23 +150,24 @@ class CheckpointSaver:
                     no_dist=not distributed(),
                 )
             staged_s = time.monotonic() - started
-            in_flight = self.in_flight = _InFlight(step, future, started, staged_s)
+            in_flight = self.in_flight = _InFlight(step, future, started, staged_s, own_files)
             future.add_done_callback(lambda _: setattr(in_flight, "finished", time.monotonic()))
             return None
         try:
             with single_process_quiet():
-                dcp.save(
+                metadata = dcp.save(
                     state, storage_writer=self.store.writer(partial), no_dist=not distributed()
                 )
         except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
             self._abandon(step)
             raise self._error(step, first_line(error)) from None
         self.last_seconds = time.monotonic() - started
-        failure = self._attempt(step, lambda: self._commit(step)) if rank() == 0 else None
+        written = own_files + _dcp_files(metadata)
+        failure = self._attempt(step, lambda: self._commit(step, written)) if rank() == 0 else None
         raise_any_failure(failure)
         blocked = time.monotonic() - started
-        path = layout.step_dir(self.root, step)
-        return SaveRecord(step, "sync", step, blocked, self.last_seconds, path)
+        self.newest = layout.step_dir(self.root, step)
+        return SaveRecord(step, "sync", step, blocked, self.last_seconds, self.newest)
 
     def written_locally(self) -> bool:
         """Whether this rank's part of the save in flight is written (none in flight: True)."""
@@ -171,17 +183,19 @@ class CheckpointSaver:
         in_flight, self.in_flight = self.in_flight, None
         failure = None
         try:
-            in_flight.future.result()
+            written = in_flight.own_files + _dcp_files(in_flight.future.result())
         except (Exception, CheckpointException) as error:
             self._abandon(in_flight.step)
             failure = str(self._error(in_flight.step, first_line(error)))
         self.last_seconds = (in_flight.finished or time.monotonic()) - in_flight.started
         if failure is None and rank() == 0:
-            failure = self._attempt(in_flight.step, lambda: self._commit(in_flight.step))
+            failure = self._attempt(in_flight.step, lambda: self._commit(in_flight.step, written))
         raise_any_failure(failure)
         blocked = in_flight.staged_s + time.monotonic() - began
-        path = layout.step_dir(self.root, in_flight.step)
-        return SaveRecord(in_flight.step, "async", after_step, blocked, self.last_seconds, path)
+        self.newest = layout.step_dir(self.root, in_flight.step)
+        return SaveRecord(
+            in_flight.step, "async", after_step, blocked, self.last_seconds, self.newest
+        )
 
     def close(self, *, after_step: int) -> SaveRecord | None:
         """Finish the save in flight (its record) and release the staging memory."""
@@ -215,8 +229,8 @@ class CheckpointSaver:
         torch.save(rng_state(), buffer)
         self.store.write_own(partial / "rng" / f"rank_{rank():05d}.pt", buffer.getvalue())
 
-    def _commit(self, step: int) -> None:
-        final = layout.commit(self.root, step)
+    def _commit(self, step: int, written: list[str]) -> None:
+        final = layout.commit(self.root, step, written=written)
         # Retention is best effort (on disk an rmtree that ignores errors): failing to delete an
         # old step must not undo the commit just made, which _attempt would on an OSError.
         with contextlib.suppress(OSError):
@@ -240,16 +254,24 @@ class CheckpointSaver:
                 self.store.remove(layout.partial_dir(self.root, step))
 
     def _error(self, step: int, cause: str) -> KilnError:
-        try:
-            newest = layout.latest_complete(self.root)
-            kept = (
-                f"the previous checkpoint {newest} is intact"
-                if newest
-                else "no checkpoint was kept"
-            )
-        except OSError:
-            kept = "the previous checkpoint could not be checked"
+        kept = (
+            f"the previous checkpoint {self.newest} is intact"
+            if self.newest
+            else "no earlier checkpoint of this run was kept"
+        )
         return KilnError(
             f"could not write the checkpoint of step {step} to {self.root} ({cause}); {kept}. "
             "Free space or fix the permissions of checkpoint.dir, then resume"
         )
+
+
+def _own_files(*, tokenizer: bool) -> list[str]:
+    """The files kiln writes into a save beside DCP's: rank 0's small files, every rank's RNG."""
+    ranks = dist.get_world_size() if distributed() else 1
+    small = ["config.toml", "train_state.json", *(["tokenizer.json"] if tokenizer else [])]
+    return small + [f"rng/rank_{r:05d}.pt" for r in range(ranks)]
+
+
+def _dcp_files(metadata: Metadata) -> list[str]:
+    """The files DCP reports it wrote: its metadata file and each data file the metadata names."""
+    return [".metadata", *sorted({info.relative_path for info in metadata.storage_data.values()})]

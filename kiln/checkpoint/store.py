@@ -96,6 +96,9 @@ class CheckpointStore(Protocol):
     def remove(self, path: Location) -> None:
         """Delete a checkpoint folder (a missing one is fine); its marker goes first."""
 
+    def remove_file(self, path: Location) -> None:
+        """Delete one file (a missing one is fine)."""
+
     def check_writable(self, root: Location) -> None:
         """Write and delete a probe under `root`, leaving nothing behind; a KilnError saying
         what is wrong otherwise."""
@@ -172,21 +175,38 @@ class LocalStore:
     def remove(self, path: Location) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
+    def remove_file(self, path: Location) -> None:
+        Path(path).unlink(missing_ok=True)
+
     def check_writable(self, root: Location) -> None:
         root = Path(root)
         created = [path for path in (root, *root.parents) if not path.exists()]
         probe = root / probe_name()
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            probe.write_text("ok")
-            probe.unlink()
-            for path in created:
+        # Several jobs may probe one new folder at once (the replica groups of a fault-tolerant
+        # run): another's clean-up can remove the folder between this one's mkdir and its write.
+        for attempt in range(_PROBE_TRIES):
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                probe.write_text("ok")
+                probe.unlink()
+                break
+            except FileNotFoundError:
+                if attempt == _PROBE_TRIES - 1:
+                    raise self._not_writable(root, "it kept disappearing") from None
+            except OSError as error:
+                raise self._not_writable(root, error.strerror or str(error)) from None
+        for path in created:  # a folder another job's probe still uses stays
+            try:
                 path.rmdir()
-        except OSError as error:
-            raise KilnError(
-                f"checkpoint directory {root} is not writable ({error.strerror or error}); "
-                "set checkpoint.dir to a writable folder"
-            ) from None
+            except OSError:
+                break
+
+    @staticmethod
+    def _not_writable(root: Path, why: str) -> KilnError:
+        return KilnError(
+            f"checkpoint directory {root} is not writable ({why}); set checkpoint.dir to a "
+            "writable folder"
+        )
 
     def writer(self, path: Location) -> StorageWriter:
         from torch.distributed.checkpoint import FileSystemWriter
@@ -197,6 +217,9 @@ class LocalStore:
         from torch.distributed.checkpoint import FileSystemReader
 
         return FileSystemReader(Path(path))
+
+
+_PROBE_TRIES = 5
 
 
 def probe_name() -> str:

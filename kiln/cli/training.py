@@ -78,6 +78,7 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides, launched=int(os.environ.get("WORLD_SIZE", "1")))
     import torch.distributed as dist
 
+    from kiln.checkpoint.lease import release_all
     from kiln.resilience.preemption import Preempted
     from kiln.train.trainer import Trainer
 
@@ -87,6 +88,8 @@ def cmd_train(args) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"kiln train: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code
+    finally:  # however the run ended, its checkpoint location is free for the next one
+        release_all()
     # Only a clean end tears the group down: after a failure a peer may be gone, and waiting
     # for it would turn an error into a hang.
     if dist.is_initialized():

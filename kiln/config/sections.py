@@ -333,6 +333,9 @@ class CheckpointConfig:
     interval: int = 0
     keep_last_n: int = 0
     save_final: bool = True
+    # A run that saves holds its checkpoint location (an OWNER file renewed while it lives); when
+    # another live run holds it, wait this long for it to end before refusing to start.
+    owner_wait_s: float = 300.0
     async_mode: AsyncMode = "disabled"
     resume: ResumeMode = "auto"
     load_path: str = ""

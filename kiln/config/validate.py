@@ -160,6 +160,8 @@ def _train_problems(cfg: JobConfig) -> list[str]:
     c = cfg.checkpoint
     if c.interval < 0 or c.keep_last_n < 0:
         p.append("checkpoint.interval and checkpoint.keep_last_n must be >= 0 (0 disables)")
+    if c.owner_wait_s < 0:
+        p.append("checkpoint.owner_wait_s must be >= 0 seconds (0: refuse at once)")
     r = cfg.resilience
     if r.nan_max_consecutive < 1:
         p.append(

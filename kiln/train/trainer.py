@@ -56,7 +56,7 @@ class Trainer:
         health.preflight(cfg, self.parallel.mesh, self.device, events=self.events)
         self.checkpoints = CheckpointManager(cfg, device=self.device, events=self.events)
         self.checkpoints.check_sources()  # before anything is built or written
-        self.checkpoints.open_for_writing()
+        self.checkpoints.open_for_writing(collective_timeout_s=cfg.resilience.collective_timeout_s)
         self.sources, self.eval_data = open_run_data(cfg, self.parallel)
         data_ranks = self.parallel.data_ranks
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
