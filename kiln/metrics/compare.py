@@ -7,14 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.metrics.logger import JSONL_NAME, read_metrics, scalars
+from kiln.metrics.logger import JSONL_NAME, metrics_dir, read_metrics, scalars
 
 
-def load_runs(run_dirs: list[Path], metric: str) -> dict[str, list[tuple[int, int, float]]]:
-    """{label: [(step, tokens seen, value)]} of every record holding `metric`, per run."""
+def load_runs(
+    run_dirs: list[Path], metric: str, *, replica_group: int | None = None
+) -> dict[str, list[tuple[int, int, float]]]:
+    """{label: [(step, tokens seen, value)]} of every record holding `metric`, per run (of a
+    fault-tolerance run, one replica group's: `replica_group`, else group 0's)."""
     runs = {}
     for run_dir in map(Path, run_dirs):
-        records = read_metrics(run_dir / JSONL_NAME)
+        folder = metrics_dir(run_dir, replica_group)
+        records = read_metrics(folder / JSONL_NAME)
         if not records:
             raise KilnError(f"{run_dir} has no {JSONL_NAME}: is it a kiln run directory?")
         points = [
@@ -25,13 +29,16 @@ def load_runs(run_dirs: list[Path], metric: str) -> dict[str, list[tuple[int, in
         if not points:
             known = sorted({name for r in records for name in scalars(r)})
             raise KilnError(f"{run_dir} logged no {metric!r}; its metrics are: {', '.join(known)}")
-        runs[_label(run_dir, runs)] = points
+        label = _label(run_dir, runs)
+        runs[label if folder == run_dir else f"{label}/{folder.name}"] = points
     return runs
 
 
-def compare_runs(run_dirs: list[Path], *, metric: str, out: Path) -> str:
+def compare_runs(
+    run_dirs: list[Path], *, metric: str, out: Path, replica_group: int | None = None
+) -> str:
     """Draw `out` and return the table of final values (the first run is the reference)."""
-    runs = load_runs(run_dirs, metric)
+    runs = load_runs(run_dirs, metric, replica_group=replica_group)
     _plot(runs, metric, out)
     reference = next(iter(runs.values()))[-1][2]
     rows = [("run", "steps", "tokens", f"final {metric}", f"min {metric}", "vs first")]

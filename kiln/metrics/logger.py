@@ -10,10 +10,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kiln.errors import KilnError
+from kiln.log import info
+
 if TYPE_CHECKING:
     from kiln.metrics.backends import Backend
 
 JSONL_NAME = "metrics.jsonl"
+# Under fault tolerance each replica group logs to <run_dir>/replica_group_<g>/.
+GROUP_DIR_PREFIX = "replica_group_"
 
 
 class MetricsLogger:
@@ -62,6 +67,9 @@ class MetricsLogger:
             f"lr {r['lr']:.2e}",
             f"tok/s {r['tokens_per_sec']:,.0f}",
         ]
+        # A model's own losses (multi-token prediction's per depth) beside the loss, which
+        # leaves them out.
+        parts[2:2] = [f"{k} {v:.4f}" for k, v in r.items() if k.startswith("mtp_loss_")]
         if r.get("eval/loss") is not None:
             parts.append(f"eval {r['eval/loss']:.4f} (ppl {r['eval/perplexity']:.1f})")
         # Harness tasks' scores: eval/<task>/<metric>.
@@ -103,6 +111,33 @@ def _flatten(name: str, value: Any, found: dict[str, float]) -> None:
             _flatten(f"{name}/{index}", item, found)
     elif isinstance(value, int | float) and not isinstance(value, bool):
         found[name] = float(value)
+
+
+def metrics_dir(run_dir: Path, replica_group: int | None = None) -> Path:
+    """The folder of a run's metrics.jsonl: `run_dir`, or for a fault-tolerance run, whose
+    groups log on their own, its `replica_group`'s (group 0's by default, said on stderr)."""
+    run_dir = Path(run_dir)
+    groups = sorted(
+        int(path.name.removeprefix(GROUP_DIR_PREFIX))
+        for path in run_dir.glob(f"{GROUP_DIR_PREFIX}*")
+        if path.name.removeprefix(GROUP_DIR_PREFIX).isdigit() and (path / JSONL_NAME).is_file()
+    )
+    if replica_group is None:
+        if (run_dir / JSONL_NAME).is_file() or not groups:
+            return run_dir
+        replica_group = groups[0]
+        others = ", ".join(map(str, groups))
+        info(
+            f"{run_dir} is a fault-tolerance run: reading replica group {replica_group}'s "
+            f"metrics (groups {others}; --replica-group G for another)"
+        )
+    elif replica_group not in groups:
+        found = f"it has groups {', '.join(map(str, groups))}" if groups else "it has none"
+        raise KilnError(
+            f"{run_dir} has no {GROUP_DIR_PREFIX}{replica_group}/{JSONL_NAME} ({found}); "
+            "--replica-group picks a group of a fault-tolerance run"
+        )
+    return run_dir / f"{GROUP_DIR_PREFIX}{replica_group}"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

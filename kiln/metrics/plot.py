@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.config import JobConfig
-from kiln.metrics.logger import JSONL_NAME, read_metrics
+from kiln.metrics.logger import GROUP_DIR_PREFIX, JSONL_NAME, read_metrics
 
 CURVE_NAME = "loss_curve.png"
 
@@ -50,7 +50,10 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
-    name = Path(metrics_path).parent.name
+    folder = Path(metrics_path).parent
+    # A replica group's folder is named after its run too (fault tolerance).
+    grouped = folder.name.startswith(GROUP_DIR_PREFIX)
+    name = f"{folder.parent.name}/{folder.name}" if grouped else folder.name
     ax.set_title(f"{name}: mean loss {records[0]['loss_avg']:.3f} → {records[-1]['loss_avg']:.3f}")
     ax.grid(alpha=0.3)
     fig.tight_layout()

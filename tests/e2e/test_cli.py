@@ -68,8 +68,11 @@ def write_run(run_dir, losses, *, tokens_per_step=512):
 def test_compare_and_plot_read_run_dirs(tmp_path):
     write_run(tmp_path / "adamw", [3.0, 2.5, 2.25, 2.0])
     write_run(tmp_path / "muon", [3.0, 2.4, 2.0, 1.75], tokens_per_step=1024)
-    result = kiln("compare", "adamw", "muon", "--out", "both.png", cwd=tmp_path)
-    header, first, second = result.stdout.splitlines()[:3]
+    # A fault-tolerance run: each replica group logs in its own folder; group 0's is read.
+    write_run(tmp_path / "ft" / "replica_group_0", [3.0, 2.6, 2.2])
+    write_run(tmp_path / "ft" / "replica_group_1", [3.0, 2.7])
+    result = kiln("compare", "adamw", "muon", "ft", "--out", "both.png", cwd=tmp_path)
+    header, first, second, third = result.stdout.splitlines()[:4]
     assert header.split() == [
         "run",
         "steps",
@@ -83,6 +86,8 @@ def test_compare_and_plot_read_run_dirs(tmp_path):
     ]
     assert first.split() == ["adamw", "4", "2,048", "2", "2"]
     assert second.split() == ["muon", "4", "4,096", "1.75", "1.75", "-0.25"]
+    assert third.split() == ["ft/replica_group_0", "3", "1,536", "2.2", "2.2", "+0.2"]
+    assert "ft is a fault-tolerance run: reading replica group 0's metrics" in result.stderr
     assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
     evals = kiln("compare", "adamw", "muon", "--metric", "eval/loss", cwd=tmp_path).stdout
     assert "final eval/loss" in evals and (tmp_path / "compare.png").is_file()
@@ -95,6 +100,25 @@ def test_compare_and_plot_read_run_dirs(tmp_path):
     assert (tmp_path / "muon" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     empty = kiln("plot", ".", cwd=tmp_path, check=False)
     assert empty.returncode == 2 and "is it a kiln run directory?" in empty.stderr
+
+
+def test_plot_and_compare_pick_a_replica_group(tmp_path, capsys):
+    """In-process (no interpreter to start): `--replica-group` chooses a fault-tolerance run's
+    group, the curve goes where the run draws it, and a group that did not log is named."""
+    from kiln.cli import main
+
+    write_run(tmp_path / "ft" / "replica_group_0", [3.0, 2.6, 2.2])
+    write_run(tmp_path / "ft" / "replica_group_1", [3.0, 2.7])
+    assert main(["plot", str(tmp_path / "ft"), "--replica-group", "1"]) == 0
+    assert (tmp_path / "ft" / "replica_group_1" / "loss_curve.png").is_file()
+    assert not (tmp_path / "ft" / "replica_group_0" / "loss_curve.png").exists()
+    capsys.readouterr()
+    out = tmp_path / "c.png"
+    assert main(["compare", str(tmp_path / "ft"), "--replica-group=1", f"--out={out}"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["ft/replica_group_1", "2"]
+    assert main(["plot", str(tmp_path / "ft"), "--replica-group", "2"]) == 2
+    error = capsys.readouterr().err
+    assert "has no replica_group_2/metrics.jsonl (it has groups 0, 1)" in error
 
 
 def bad_toml(tmp_path):

@@ -20,7 +20,7 @@ def test_only_rows_that_leave_or_reach_the_rank_count():
     assert stats.sent_tokens == stats.sent_bytes == 0 and stats.seconds() == 0
 
 
-def test_the_console_line_shows_the_all_to_all_share(tmp_path):
+def test_the_console_line_shows_the_all_to_all_share_and_mtp_losses(tmp_path):
     logger = MetricsLogger(tmp_path, max_steps=10, start_step=0, jsonl=False)
     record = {
         "step": 3,
@@ -33,3 +33,6 @@ def test_the_console_line_shows_the_all_to_all_share(tmp_path):
         "ep/sent_tokens": [270, 1288],
     }
     assert logger.format_line(record).endswith("all-to-all 12% of step, 1,288 tokens out")
+    # DeepSeek-V3's multi-token prediction loss follows the loss, which does not include it.
+    line = logger.format_line(record | {"mtp_loss_1": 2.53125})
+    assert "| loss 2.0000 (mean 2.1000) | mtp_loss_1 2.5312 | grad_norm" in line
