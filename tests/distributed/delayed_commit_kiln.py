@@ -20,9 +20,9 @@ NOTICE = "test patch: rank 0 commits each checkpoint 3 s late"
 def install() -> None:
     real_commit, real_save = layout.commit, saver.CheckpointSaver.save
 
-    def late_commit(root, step):
+    def late_commit(root, step, **kwargs):
         time.sleep(3)
-        return real_commit(root, step)
+        return real_commit(root, step, **kwargs)
 
     def save_then_finish_writing(self, step, **state):
         record = real_save(self, step, **state)

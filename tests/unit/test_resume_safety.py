@@ -211,3 +211,31 @@ def test_a_checkpoint_marker_lists_every_file(saved_at_2_and_4):
     assert {"train_state.json", "config.toml", ".metadata", "rng/rank_00000.pt"} <= set(
         manifest["files"]
     )
+
+
+def test_rollback_and_retention_pass_over_the_damaged_checkpoint_a_resume_skipped(
+    debug_overrides, saved_at_2_and_4, capsys
+):
+    """Step 4 lost a file: the resume falls back to step 2, and so must everything after it
+    that looks for "the newest checkpoint". A NaN at step 3 rolls back to step 2 (not to step 4,
+    which `latest` still names), and keep_last_n = 2 counts intact checkpoints only."""
+    (saved_at_2_and_4 / "step_00000004" / "rng" / "rank_00000.pt").unlink()
+    trainer = _trainer(
+        debug_overrides,
+        "--train.stop_at_step=6",
+        "--checkpoint.interval=3",
+        "--checkpoint.keep_last_n=2",
+        "--resilience.debug_nan_steps=[3]",
+        "--resilience.nan_max_consecutive=1",
+        "--resilience.nan_action='rollback'",
+    )
+    assert trainer.step == 2
+    trainer.train()
+    assert "rolled back from step 3 to" in capsys.readouterr().err
+    events = [json.loads(line) for line in (saved_at_2_and_4.parent / "events.jsonl").open()]
+    (rollback,) = [e for e in events if e["event"] == "rollback"]
+    assert rollback["path"] == str(saved_at_2_and_4 / "step_00000002")
+    # Intact 6 and 3 are the two kept; the damaged 4 between them is not counted and stays.
+    kept = sorted(p.name for p in saved_at_2_and_4.glob("step_*"))
+    assert kept == ["step_00000003", "step_00000004", "step_00000006"]
+    assert resume_candidates(saved_at_2_and_4)[0] == saved_at_2_and_4 / "step_00000006"
