@@ -10,9 +10,11 @@ from pathlib import Path
 
 from kiln.data.dataset import TokenDataset
 from kiln.data.prepare import prepare_dataset
+from kiln.data.remote_shards import remote_dataset_exists
 from kiln.data.shards import INDEX_FILE
 from kiln.data.tokenizer import load_tokenizer, tokenizer_hash
 from kiln.errors import ConfigError
+from kiln.remote import is_url
 
 
 def open_checkpoint_data(
@@ -24,10 +26,10 @@ def open_checkpoint_data(
     scratch: Path,
     quiet: bool = False,
 ) -> TokenDataset:
-    """`inputs`: one prepared dataset folder, or text, JSONL or Parquet files, folders or globs,
-    tokenized into `scratch` with `tokenizer` (the checkpoint's). `quiet`: no progress on
-    stderr (every rank but the first tokenizes too)."""
-    if len(inputs) == 1 and (Path(inputs[0]) / INDEX_FILE).is_file():
+    """`inputs`: one prepared dataset (a folder or a URL, read as training reads it), or text,
+    JSONL or Parquet files, folders or globs, tokenized into `scratch` with `tokenizer` (the
+    checkpoint's). `quiet`: no progress on stderr (every rank but the first tokenizes too)."""
+    if len(inputs) == 1 and _is_prepared(inputs[0]):
         dataset = TokenDataset(inputs[0], seq_len)
         _check_vocab(dataset.vocab_size, model_vocab_size, where=dataset.path, tokenizer=tokenizer)
         if tokenizer is not None and tokenizer_hash(dataset.tokenizer_path) != tokenizer_hash(
@@ -51,6 +53,13 @@ def open_checkpoint_data(
     with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
         prepare_dataset(inputs, tokenizer, output, num_workers=0)
     return TokenDataset(output, seq_len)
+
+
+def _is_prepared(location: str) -> bool:
+    """Whether `location` is a dataset `kiln prepare` wrote, rather than text to tokenize."""
+    if is_url(location):
+        return remote_dataset_exists(location)
+    return (Path(location) / INDEX_FILE).is_file()
 
 
 def _check_vocab(

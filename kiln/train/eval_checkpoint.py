@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.checkpoint import find_tokenizer, load_checkpoint, read_train_state, resolve_checkpoint
-from kiln.config import JobConfig, ModelConfig, TrainConfig, config_from_dict, read_toml
+from kiln.checkpoint.checkpointer import read_config
+from kiln.checkpoint.store import Location, store_for
+from kiln.config import JobConfig, ModelConfig, TrainConfig, config_from_dict
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import ShuffledSamples, Source
 from kiln.data.sources import validation_split
@@ -92,7 +94,7 @@ def evaluate_checkpoint(request: EvalRequest) -> dict[str, Any]:
     return results
 
 
-def _choose_checkpoint(path: str) -> tuple[Path, int]:
+def _choose_checkpoint(path: str) -> tuple[Location, int]:
     """The step folder `path` names (a run's newest intact one) and its step, said on stderr."""
     step_dir = resolve_checkpoint(path)
     step = read_train_state(step_dir).get("step", 0)
@@ -100,13 +102,14 @@ def _choose_checkpoint(path: str) -> tuple[Path, int]:
     return step_dir, step
 
 
-def _load(step_dir: Path, model_parts: list) -> None:
+def _load(step_dir: Location, model_parts: list) -> None:
     """Load the weights; a folder deleted while loading (the writing run's retention) is named
     as such, decided on rank 0."""
     try:
         load_checkpoint(step_dir, model=model_parts)
     except KilnError:
-        if decide_on_main(step_dir.is_dir, what="look for the checkpoint"):
+        exists = store_for(step_dir).exists
+        if decide_on_main(lambda: exists(step_dir), what="look for the checkpoint"):
             raise
         raise KilnError(
             f"{step_dir} was deleted while it was being loaded: the run writing it keeps only "
@@ -116,16 +119,13 @@ def _load(step_dir: Path, model_parts: list) -> None:
 
 
 def eval_config(
-    step_dir: Path, request: EvalRequest, *, world_size: int
+    step_dir: Location, request: EvalRequest, *, world_size: int
 ) -> tuple[JobConfig, dict[str, Any]]:
     """The config the evaluation runs: the checkpoint's model and how it computes, forward
     only (no compile, no activation checkpointing), the request's batch and sequence length,
     then the command line's overrides; validated for `world_size`. Also the checkpoint's raw
     config, which names its held-out data."""
-    file = step_dir / "config.toml"
-    if not file.is_file():
-        raise KilnError(f"{step_dir} has no config.toml: it was not written by kiln")
-    raw = read_toml(file)
+    raw = read_config(step_dir)  # from the filesystem or the object store holding it
     kept = {name: dict(raw[name]) for name in KEPT_SECTIONS if name in raw}
     kept.setdefault("model", {}).pop("preset", None)  # resolved into explicit keys on save
     train = kept.setdefault("train", {})
@@ -137,7 +137,8 @@ def eval_config(
     context = kept["model"].get("max_seq_len", ModelConfig.max_seq_len)
     train["seq_len"] = request.seq_len or min(train.get("seq_len", TrainConfig.seq_len), context)
     kept["data"] = {"document_mask": raw.get("data", {}).get("document_mask", False)}
-    cfg = config_from_dict(kept, request.overrides, source=file, world_size=world_size)
+    source = str(step_dir / "config.toml")
+    cfg = config_from_dict(kept, request.overrides, source=source, world_size=world_size)
     return cfg, raw
 
 

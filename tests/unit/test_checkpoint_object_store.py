@@ -16,8 +16,9 @@ from kiln.checkpoint import layout
 from kiln.checkpoint.store import location, store_for
 from kiln.cli import main
 from kiln.errors import KilnError
+from kiln.metrics.logger import read_metrics
 from tests.conftest import DEBUG_CONFIG
-from tests.support.servers import make_bucket
+from tests.support.servers import http_server, make_bucket
 from tests.unit.test_trainer import make_trainer
 
 # Four steps of the debug model at seq_len 64: the cosine warmup must end before max_steps.
@@ -50,28 +51,48 @@ def _losses(run_dir) -> dict[int, float]:
 
 
 def test_an_async_save_to_s3_resumes_bitwise_past_an_interrupted_one(
-    debug_overrides, tmp_path, bucket
+    debug_overrides, demo_data, tmp_path, bucket, monkeypatch
 ):
-    run = [
-        *SHORT,
-        f"--checkpoint.dir=s3://{bucket}/run",
-        "--checkpoint.async_mode=async",
-        "--checkpoint.interval=2",
-        "--metrics.log_interval=1",
-    ]
-    make_trainer(debug_overrides, *run).train()  # saves at steps 2 and 4, in the background
-    expected = _losses(tmp_path / "run")
-    root = location(f"s3://{bucket}/run")
-    store = store_for(root)
-    # A crash between the last object of step 4 and its marker: an interrupted save.
-    store.fs.rm_file(str(root / "step_00000004" / "COMPLETE"))
+    """The run reads its data over HTTP (prepared data at a URL); `kiln eval` then scores its
+    checkpoint in S3 on the run's own held-out data at that URL."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # remote tokenizer copies
+    with http_server(demo_data.parent, ranges=True) as base:
+        data = f"{base}/{demo_data.name}"
+        run = [
+            *SHORT,
+            f"--data.path={data}",
+            "--data.source=prepared",
+            f"--eval.path={data}",
+            "--eval.interval=4",
+            "--eval.steps=2",
+            f"--checkpoint.dir=s3://{bucket}/run",
+            "--checkpoint.async_mode=async",
+            "--checkpoint.interval=2",
+            "--metrics.log_interval=1",
+        ]
+        make_trainer(debug_overrides, *run).train()  # saves at steps 2 and 4, in the background
+        expected = _losses(tmp_path / "run")
+        root = location(f"s3://{bucket}/run")
+        store = store_for(root)
+        # A crash between the last object of step 4 and its marker: an interrupted save.
+        store.fs.rm_file(str(root / "step_00000004" / "COMPLETE"))
 
-    resumed = make_trainer(debug_overrides, *run, "--checkpoint.keep_last_n=1")
-    assert resumed.step == 2
-    resumed.train()
-    losses = _losses(tmp_path / "run")
-    # Bitwise: the same arithmetic on the same machine, from the state read back from S3.
-    assert [losses[3], losses[4]] == [expected[3], expected[4]]
+        resumed = make_trainer(debug_overrides, *run, "--checkpoint.keep_last_n=1")
+        assert resumed.step == 2
+        resumed.train()
+        losses = _losses(tmp_path / "run")
+        # Bitwise: the same arithmetic on the same machine, from the state read back from S3.
+        assert [losses[3], losses[4]] == [expected[3], expected[4]]
+
+        out = tmp_path / "eval.json"
+        assert main(["eval", f"s3://{bucket}/run", "--steps=2", f"--json={out}"]) == 0
+        scored = json.loads(out.read_text())
+        assert (scored["step"], scored["data"]) == (4, [data])
+        logged = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval/loss" in r][
+            -1
+        ]
+        # Bitwise: the trainer's own evaluation, on the weights of step 4 read back from S3.
+        assert (logged["step"], scored["eval/loss"]) == (4, logged["eval/loss"])
 
     keys = _keys(bucket)
     assert not [key for key in keys if key.startswith("run/step_00000002/")]  # keep_last_n = 1
@@ -114,6 +135,20 @@ def test_an_interrupted_or_damaged_save_in_s3_is_skipped_and_cleared(bucket):
 
 
 _STEP_FILES = ("COMPLETE", "__0_0.distcp", "train_state.json")
+
+
+def test_kiln_eval_of_a_bucket_without_a_complete_checkpoint_is_one_message(bucket, capsys):
+    root = location(f"s3://{bucket}/run")
+    _stage(root, 2)  # a save that died before its marker
+    before = _keys(bucket)
+    errors = {}
+    for url in (root, root / "step_00000002", location(f"s3://{bucket}/nothing")):
+        assert main(["eval", str(url)]) == 2
+        errors[url.name] = err = capsys.readouterr().err
+        assert err.count("error:") == 1 and str(url) in err and "Traceback" not in err, err
+    assert "an incomplete checkpoint (no COMPLETE marker)" in errors["step_00000002"]
+    assert "use an earlier step" in errors["step_00000002"]
+    assert _keys(bucket) == before  # nothing lost: evaluating reads, never clears a save
 
 
 def _closed_port() -> int:
