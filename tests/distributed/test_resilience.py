@@ -133,13 +133,36 @@ def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(gangs, tmp_
         "--resilience.nan_max_consecutive=2",
         "--resilience.nan_action='rollback'",
     ]
-    log, _ = gangs.run(2, kiln_train, kiln_args(run, demo_data, *overrides))
+    # Rank 1 cannot list the checkpoint folder (a throttled or lagging view of the store): the
+    # rollback still loads what rank 0 chose, since no other rank lists or judges a checkpoint.
+    log, _ = gangs.run(
+        2, kiln_train_where_rank_1_cannot_list, kiln_args(run, demo_data, *overrides)
+    )
     assert "step 3: non-finite loss" in log and "(1 in a row" in log
     assert "rolled back from step 8 to" in log and "step_00000004" in log
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))
     assert math.isnan(records[2]["loss"]) and math.isfinite(records[3]["loss"])
     assert records[-1]["skipped_steps"] == 3
+
+
+def kiln_train_where_rank_1_cannot_list(args: list[str]) -> None:
+    """`kiln train ARGS` where every listing or lookup of rank 1 in the checkpoint store fails."""
+    from kiln.checkpoint.store import LocalStore
+
+    def refused(self, path, *args):
+        raise OSError(f"rank 1 may not look at {path}")
+
+    names = ("children", "files", "exists", "is_file")
+    real = {name: getattr(LocalStore, name) for name in names}
+    if os.environ["RANK"] == "1":
+        for name in names:
+            setattr(LocalStore, name, refused)
+    try:
+        kiln_train(args)
+    finally:
+        for name, method in real.items():
+            setattr(LocalStore, name, method)
 
 
 def test_too_many_non_finite_steps_stop_the_job_with_a_message(gangs, tmp_path, demo_data):
