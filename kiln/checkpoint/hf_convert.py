@@ -31,6 +31,7 @@ from kiln.checkpoint.layout import find_tokenizer, resolve_checkpoint
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.log import info
+from kiln.model import count_params
 from kiln.model.build import build_model, materialize
 from kiln.model.family import NameMap
 from kiln.model.registry import family_of, hf_adapter_for, model_config_from_hf
@@ -63,6 +64,10 @@ def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
     _, adapter = hf_adapter_for(hf)
     names = adapter.import_names(cfg, set(tensor_files))
     check_keys(hf_dir, names, tensor_files, cfg.tie_embeddings)
+    info(
+        f"converting {hf_dir} ({adapter.architecture}, {count_params(cfg).total:,} parameters, "
+        f"model.family {cfg.family}) into a kiln checkpoint at step 0 in {out_dir}"
+    )
 
     # No random init (seed=None): every parameter is overwritten below, buffers are zeroed.
     model = materialize(build_model(cfg), device="cpu", seed=None)
@@ -121,6 +126,11 @@ def kiln_to_hf(
     adapter = family_of(cfg).export_adapter(cfg)
     if dtype is None:
         dtype = _checkpoint_export_dtype(step_dir)
+    step = int(step_dir.name.removeprefix("step_"))
+    info(
+        f"exporting step {step} of {step_dir.parent} ({count_params(cfg).total:,} parameters, "
+        f"model.family {cfg.family}) as {adapter.architecture} in {dtype} to {out_dir}"
+    )
     model = _load_kiln_model(cfg, step_dir)
     adapter.check_export_model(model)
     # Views of the model's own tensors: nothing is converted before its shard is written.

@@ -8,6 +8,10 @@ from pathlib import Path
 from kiln.cli.common import docs
 from kiln.errors import KilnError
 
+# What kiln/model/registry.py's families convert, both ways (tests/unit/test_model_families.py
+# checks the list against the registry).
+HF_ARCHITECTURES = "Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3"
+
 
 def add_parsers(subcommand) -> None:
     generate = subcommand(
@@ -43,17 +47,23 @@ def add_parsers(subcommand) -> None:
 
     convert = subcommand(
         "convert",
-        help="convert between Hugging Face (Llama, Mixtral, Qwen3-MoE) and kiln checkpoints",
+        help=f"convert between Hugging Face ({HF_ARCHITECTURES}) and kiln checkpoints",
+        description=f"Convert Hugging Face checkpoints ({HF_ARCHITECTURES}) to kiln "
+        "checkpoints and back.",
+        epilog=docs("checkpoints.md"),
     )
     direction = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     hf_to_kiln = direction.add_parser(
-        "hf-to-kiln", help="HF safetensors + config.json -> kiln checkpoint"
+        "hf-to-kiln",
+        help=f"HF safetensors + config.json ({HF_ARCHITECTURES}) -> kiln checkpoint at step 0",
     )
     hf_to_kiln.add_argument("source", help="Hugging Face model directory")
     hf_to_kiln.add_argument("output", help="new kiln checkpoint directory")
     kiln_to_hf = direction.add_parser(
         "kiln-to-hf",
-        help="kiln checkpoint -> HF directory (Llama; MoE: Qwen3-MoE with qk_norm, else Mixtral)",
+        help="kiln checkpoint -> HF directory, as its model's architecture: Llama (Qwen3 with "
+        "qk_norm), Mixtral for MoE (Qwen3-MoE with qk_norm), DeepSeek-V3 for model.family "
+        "deepseek_v3",
     )
     kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
     kiln_to_hf.add_argument("output", help="new Hugging Face model directory")

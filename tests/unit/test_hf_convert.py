@@ -127,10 +127,12 @@ def test_hf_to_kiln_logits_match(hf_model, kiln_ckpt):
     assert (kiln_ckpt / "tokenizer.json").is_file()
 
 
-def test_hf_to_kiln_writes_the_layout_docs_describe(hf_dir, tmp_path):
-    """docs/checkpoints.md: OUT/latest and OUT/step_00000000/ holding the tokenizer."""
+def test_hf_to_kiln_writes_the_layout_docs_describe(hf_dir, tmp_path, capsys):
+    """docs/checkpoints.md: OUT/latest and OUT/step_00000000/ holding the tokenizer; what it
+    converts is said before the weights are read."""
     out = tmp_path / "ckpt"
     hf_to_kiln(hf_dir, out)
+    assert f"kiln: converting {hf_dir} (LlamaForCausalLM, " in capsys.readouterr().err
     assert (out / "latest").read_text().strip() == "step_00000000"
     for name in ("tokenizer.json", "config.toml", "train_state.json", "COMPLETE"):
         assert (out / "step_00000000" / name).is_file(), name
@@ -203,7 +205,10 @@ def test_sharded_export_loads_in_transformers(tmp_path, capsys):
     args = ["convert", "kiln-to-hf", str(ckpt), str(tmp_path / "hf"), "--max-shard-size", "50KB"]
     assert main(args) == 0
     out = tmp_path / "hf"
-    assert f"wrote {out}" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert f"wrote {out}" in said.out
+    assert f"kiln: exporting step 7 of {ckpt} (" in said.err
+    assert f"as LlamaForCausalLM in float32 to {out}" in said.err
     assert not (out / "model.safetensors").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(path.name for path in out.glob("*.safetensors"))

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from kiln.cli import main
 from kiln.config import ModelConfig, load_config
 from kiln.config.sections import MODEL_FAMILIES
 from kiln.errors import ConfigError, KilnError
-from kiln.model.registry import FAMILIES, family_of, hf_adapter_for
+from kiln.model.registry import FAMILIES, family_of, hf_adapter_for, hf_adapters
 
 KILN = Path(__file__).resolve().parents[2] / "kiln"
 
@@ -56,6 +57,16 @@ def test_an_architecture_no_family_converts_lists_those_that_are():
         hf_adapter_for(hf)
     for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3Moe"):
         assert name in str(e.value)
+
+
+def test_kiln_convert_help_names_every_architecture_a_family_converts(capsys):
+    """`kiln --help` and `kiln convert --help` (with its directions) list them all."""
+    for args in (["--help"], ["convert", "--help"]):
+        with pytest.raises(SystemExit):
+            main(args)
+        flat = " ".join(capsys.readouterr().out.split()).lower().replace("-", "")
+        for _, adapter in hf_adapters():
+            assert adapter.architecture.removesuffix("ForCausalLM").lower() in flat, args
 
 
 def test_a_head_dim_that_tensor_parallel_cannot_split_is_one_clear_error():
