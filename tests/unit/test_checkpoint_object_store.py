@@ -1,7 +1,7 @@
 """Checkpoints in an object store, against a real S3 server (moto's, on the loopback interface):
 an async save through the training loop resumes bit for bit, retention deletes old steps, a
 save without its marker or with a file of the wrong size is skipped, and each way of failing to
-reach the bucket is one message before the first step."""
+reach the bucket is one message before the first step. `kiln eval` scores a checkpoint there."""
 
 from __future__ import annotations
 
@@ -88,9 +88,8 @@ def test_an_async_save_to_s3_resumes_bitwise_past_an_interrupted_one(
         assert main(["eval", f"s3://{bucket}/run", "--steps=2", f"--json={out}"]) == 0
         scored = json.loads(out.read_text())
         assert (scored["step"], scored["data"]) == (4, [data])
-        logged = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval/loss" in r][
-            -1
-        ]
+        records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+        logged = [r for r in records if "eval/loss" in r][-1]
         # Bitwise: the trainer's own evaluation, on the weights of step 4 read back from S3.
         assert (logged["step"], scored["eval/loss"]) == (4, logged["eval/loss"])
 
