@@ -20,13 +20,14 @@ def add_parsers(subcommand) -> None:
     evaluate.add_argument(
         "checkpoint",
         help="a run directory or a checkpoint directory (their newest step), or a "
-        "step_XXXXXXXX folder",
+        "step_XXXXXXXX folder; a path or a URL (s3://bucket/run)",
     )
     evaluate.add_argument(
         "--data",
         nargs="+",
         default=[],
-        help="a prepared dataset, or text/JSONL/Parquet files, folders or globs, tokenized with "
+        help="a prepared dataset (a folder or a URL), or text/JSONL/Parquet files, folders or "
+        "globs, tokenized with "
         "the checkpoint's tokenizer (default without --tasks: the run's own held-out data)",
     )
     evaluate.add_argument(
