@@ -275,9 +275,15 @@ class CheckpointManager:
         )
 
     @property
-    def save_seconds(self) -> float:
-        """How long the last save took, from its start until written."""
-        return self.saver.last_seconds
+    def stop_save_seconds(self) -> float:
+        """What saving costs a stop now: the rest of the save in flight, then one of the step."""
+        return self.saver.stop_seconds()
+
+    def commit_finished_save(self, *, after_step: int) -> None:
+        """After a failure, with no collective (a peer may be gone): commit the save in flight
+        if every rank's part of it is written (see CheckpointSaver.commit_if_finished)."""
+        if self.saver is not None:
+            self._committed(self.saver.commit_if_finished(after_step=after_step))
 
     def close(self, *, after_step: int) -> None:
         """Collective: commit the save in flight, release the saver and the location's lease."""

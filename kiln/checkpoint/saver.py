@@ -197,6 +197,33 @@ class CheckpointSaver:
             in_flight.step, "async", after_step, blocked, self.last_seconds, self.newest
         )
 
+    def stop_seconds(self) -> float:
+        """What saving costs a stop now: the rest of the save in flight (estimated as long as
+        the last save, from its start), then a save of the step."""
+        rest = 0.0
+        if self.in_flight is not None and not self.in_flight.future.done():
+            rest = max(0.0, self.last_seconds - (time.monotonic() - self.in_flight.started))
+        return rest + self.last_seconds
+
+    def commit_if_finished(self, *, after_step: int) -> SaveRecord | None:
+        """Without any collective, after a failure: commit the save in flight on rank 0 if DCP
+        finished it there (its record), else drop it. Rank 0's part of a save ends only after
+        every rank reported its files written and the metadata is written, so a finished one is
+        whole; one still writing is left uncommitted (never loaded, cleared by the next save)."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None or rank() != 0 or not in_flight.future.done():
+            return None
+        try:
+            written = in_flight.own_files + _dcp_files(in_flight.future.result())
+            self._commit(in_flight.step, written)
+        except (Exception, CheckpointException):
+            return None  # nothing committed: the previous checkpoint stays the newest
+        self.last_seconds = (in_flight.finished or time.monotonic()) - in_flight.started
+        self.newest = layout.step_dir(self.root, in_flight.step)
+        return SaveRecord(
+            in_flight.step, "async", after_step, in_flight.staged_s, self.last_seconds, self.newest
+        )
+
     def close(self, *, after_step: int) -> SaveRecord | None:
         """Finish the save in flight (its record) and release the staging memory."""
         try:

@@ -118,9 +118,11 @@ class Trainer:
             if not is_collective_failure(error):
                 raise
             flight_recorder.dump(f"a collective failed in step {self.step + 1}")
+            self.checkpoints.commit_finished_save(after_step=self.step)  # before naming the newest
             newest = self.checkpoints.newest()
             raise collective_failure(error, self.parallel.rank, self.step + 1, newest) from None
         finally:
+            self.checkpoints.commit_finished_save(after_step=self.step)  # none in flight: no-op
             if self.replicas is not None:
                 self.replicas.close()
             watchdog.close()
@@ -149,7 +151,7 @@ class Trainer:
             # train.time_limit_minutes, decided on rank 0 (the flag is agreed in the step).
             time_up = self.time_limit.expiring(
                 step_seconds=max(self.iteration_seconds, default=0.0),
-                save_seconds=self.checkpoints.save_seconds,
+                save_seconds=self.checkpoints.stop_save_seconds,
             )
             result = self.train_step(
                 stop_requested=preemption.received is not None, time_up=time_up

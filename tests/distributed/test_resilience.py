@@ -73,11 +73,15 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
         "--train.max_steps=200",
         "--train.batch_size=1",
         f"--resilience.collective_timeout_s={timeout}",
+        "--checkpoint.interval=3",
+        "--checkpoint.async_mode='async'",
     ]
     run = tmp_path / "run"
-    procs = start_ranks(3, kiln_args(run, demo_data, *overrides), tmp_path / "logs")
-    wait_for_step(run, 3, procs)
-    procs[1].kill()
+    # Rank 1 is SIGKILLed once every rank has written its part of step 3's background save,
+    # before any step boundary commits it.
+    module = "tests.distributed.dies_after_save_kiln"
+    procs = start_ranks(3, kiln_args(run, demo_data, *overrides), tmp_path / "logs", module=module)
+    assert procs[1].wait(timeout=120) == -signal.SIGKILL, log(tmp_path / "logs", 1)
     started = time.monotonic()
 
     # The launcher's part: a rank dies, torchrun restarts the job, which resumes and finishes.
@@ -112,6 +116,10 @@ def test_a_killed_rank_ends_the_job_and_torchrun_restarts_it_from_the_checkpoint
     assert all(code != 0 for code in codes), codes
     assert time.monotonic() - started < timeout + 30
     assert "a collective failed during step" in log(tmp_path / "logs", 0)
+    # Every rank had written step 3: rank 0 commits it on its way out, and names it.
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000003\n"
+    assert "checkpoint of step 3 committed after step 3" in log(tmp_path / "logs", 0)
+    assert f"resumes from {run / 'checkpoints' / 'step_00000003'} when" in log(tmp_path / "logs", 0)
 
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output[-3000:]
