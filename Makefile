@@ -61,9 +61,14 @@ test: install lint
 
 # The GPU suite (tests/gpu; docs/architecture.md, "CPU and CUDA"): about 6 minutes on one H100,
 # every test skipped, with its reason (-rs lists them), without a GPU. A GPU machine may have no .venv: then the
-# system's python3 runs it, or name one, `make test-gpu PYTHON_FOR_TESTS=python3.12`.
+# system's python3 runs it, or name one, `make test-gpu PYTHON_FOR_TESTS=python3.12`. A Python
+# that cannot import torch and pytest is named in one line instead of a collection traceback.
 PYTHON_FOR_TESTS ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 test-gpu:
+	@$(PYTHON_FOR_TESTS) -c 'import torch, pytest' 2>/dev/null || { echo "make test-gpu:" \
+		"$(PYTHON_FOR_TESTS) cannot import torch and pytest: run make install (for .venv), or" \
+		"name a Python with kiln's requirements: make test-gpu PYTHON_FOR_TESTS=/path/to/python" >&2; \
+		exit 2; }
 	PYTHONDONTWRITEBYTECODE= $(PYTHON_FOR_TESTS) -m pytest -q -rs -m gpu tests/gpu
 
 lint: install

@@ -13,6 +13,8 @@
 # that says so, runs no test, and exits 0; --cpu-dry-run then also runs the benchmark's CPU dry
 # run (the debug model, a few steps), which checks the script itself.
 #
+# The Python: $PYTHON, else the checkout's .venv (`make install`) where it has one, else python3;
+# one that cannot import torch, kiln's packages or pytest is named in one line (exit 2).
 # Limits in seconds (environment variables): KILN_CHECK_TESTS_S (350), KILN_CHECK_BENCH_S (190).
 # Exit status: 0 when every part that ran passed, 1 when a test failed, a part failed or timed
 # out, 2 on wrong usage or an unusable Python.
@@ -59,7 +61,11 @@ done
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
-python="${PYTHON:-python3}"
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+    python=python3
+    [[ -x "$repo/.venv/bin/python" ]] && python="$repo/.venv/bin/python"
+fi
 tests_limit="${KILN_CHECK_TESTS_S:-350}"
 bench_limit="${KILN_CHECK_BENCH_S:-190}"
 started=$SECONDS
@@ -86,6 +92,22 @@ if [[ -n "$wheels" ]]; then
         exit 2
     fi
     export PYTHONPATH="$site:$PYTHONPATH"
+fi
+
+# What kiln and the GPU tests import: a Python without it is one line, not a traceback.
+if ! missing="$("$python" - 2>&1 <<'PY'
+import importlib, sys
+for name in ("torch", "numpy", "tokenizers", "safetensors", "matplotlib", "pytest"):
+    try:
+        importlib.import_module(name)
+    except Exception as error:
+        sys.exit(f"{name}: {type(error).__name__}: {error}")
+PY
+)"; then
+    log "$python cannot run kiln (${missing##*$'\n'}): point PYTHON at a Python with kiln's" \
+        "requirements and pytest (PYTHON=/path/to/python scripts/gpu_check.sh OUTDIR; the" \
+        "checkout's .venv from \`make install\` is used when it exists), or carry wheels with --wheels DIR" >&2
+    exit 2
 fi
 
 # The environment: Python, torch >= 2.11, CUDA, versions; written as JSON for the report.
@@ -195,12 +217,13 @@ fi
 
 # report.md and results.json from what the parts left in OUTDIR.
 elapsed=$((SECONDS - started))
-if ! "$python" - "$out" "$tests_state" "$bench_state" "$elapsed" <<'PY'; then
+if ! "$python" - "$out" "$tests_state" "$bench_state" "$elapsed" "$cpu_dry_run" <<'PY'; then
 import json, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 out, tests_state, bench_state, elapsed = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+cpu_dry_run = sys.argv[5] == "1"
 env = json.loads((out / "environment.json").read_text())
 
 def cases(path):
@@ -226,11 +249,22 @@ tests = cases(out / "gpu_tests.xml")
 bench_md = out / "side_by_side.md"
 bench = json.loads((out / "side_by_side.json").read_text()) if (out / "side_by_side.json").exists() else None
 counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
-slug = "-".join(env["device"].lower().replace("nvidia", "").split()) if env["cuda_available"] else "cpu"
-folder = f"benchmarks/gpu/{env['date'][:10]}-{slug}/"
+gpu = env["cuda_available"]
+slug = "-".join(env["device"].lower().replace("nvidia", "").split())
+folder = f"benchmarks/gpu/{env['date'][:10]}-{slug}/" if gpu else None  # a dry run is not kept
 cell = lambda text: str(text).replace("|", "\\|")
+# Only a GPU's report is a measurement to keep; a run without one checks the script.
+if gpu:
+    title, keep = env["device"], f"- commit it under: {folder}"
+elif cpu_dry_run:
+    title = "CPU dry run (no CUDA device), not a GPU measurement"
+    keep = ("- **a CPU dry run**: it checks this script and the benchmark's code on kiln's debug "
+            "model, not a machine; its numbers are no GPU's. Do not commit it under benchmarks/gpu/")
+else:
+    title = "no CUDA device, nothing measured"
+    keep = "- no CUDA device: no test or benchmark ran; nothing here to commit"
 lines = [
-    f"# kiln GPU check: {env['device']}",
+    f"# kiln GPU check: {title}",
     "",
     f"- date: {env['date']}; host {env['host']}; {elapsed} s in all",
     f"- device: {env['device']}" + (f", {env['memory_gib']} GiB, compute capability {env['capability']}, "
@@ -238,7 +272,7 @@ lines = [
     f"- driver: {env.get('driver') or 'unknown (no nvidia-smi)'}",
     f"- Python {env['python']}, torch {env['torch']} (CUDA {env['cuda_runtime']}), "
     f"torchao {env['torchao']}, torchtitan {env['torchtitan']}",
-    f"- commit it under: {folder}",
+    keep,
     "",
     f"## GPU tests: {tests_state}",
     "",
@@ -254,6 +288,7 @@ lines += ["", f"## Benchmark (benchmarks/gpu_side_by_side.py): {bench_state}", "
 lines.append(bench_md.read_text() if bench_md.exists() else "No benchmark table.")
 (out / "report.md").write_text("\n".join(lines) + "\n")
 results = {"environment": env, "elapsed_s": int(elapsed), "commit_folder": folder,
+           "cpu_dry_run": cpu_dry_run and not gpu,
            "tests": {"state": tests_state, "counts": counts, "cases": tests},
            "benchmark": {"state": bench_state, "results": bench}}
 (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -1,5 +1,6 @@
 """The SLURM launch scripts: syntax, shellcheck, and the signal/requeue logic of the batch shell,
-run without SLURM against fake `srun`, `scontrol` and `torchrun` on PATH (docs/slurm.md)."""
+run without SLURM against fake `srun`, `scontrol` and `torchrun` on PATH (docs/slurm.md). Also
+scripts/gpu_check.sh and `make test-gpu` with a Python that cannot run kiln (docs/gpu_check.md)."""
 
 from __future__ import annotations
 
@@ -333,3 +334,34 @@ def test_replica_groups_need_two_groups(fake):
     )
     assert proc.returncode == 2
     assert "fault tolerance needs at least 2 replica groups; this job has 1" in proc.stderr
+
+
+def test_gpu_check_and_make_test_gpu_name_a_python_without_torch(tmp_path):
+    """One line saying how to point them at an environment, not an import traceback: a real
+    Python whose site-packages are hidden (-S) lacks torch."""
+    bare = tmp_path / "python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    bare.chmod(0o755)
+    script = REPO / "scripts" / "gpu_check.sh"
+    assert subprocess.run([_shellcheck(), script]).returncode == 0
+    check = subprocess.run(
+        ["bash", script, tmp_path / "out"],
+        env={**os.environ, "PYTHON": str(bare)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 2 and check.stdout == ""
+    assert check.stderr.count("\n") == 1, check.stderr
+    assert f"gpu_check: {bare} cannot run kiln (torch: ModuleNotFoundError" in check.stderr
+    assert "point PYTHON at a Python with kiln's requirements" in check.stderr
+    make = subprocess.run(
+        ["make", "-s", "test-gpu", f"PYTHON_FOR_TESTS={bare}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert make.returncode == 2
+    assert f"make test-gpu: {bare} cannot import torch and pytest" in make.stderr
+    assert "Traceback" not in make.stderr + check.stderr
