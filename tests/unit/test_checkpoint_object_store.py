@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import uuid
 
 import pytest
 
 import kiln.checkpoint.store
 from kiln.checkpoint import layout
+from kiln.checkpoint.lease import Lease
 from kiln.checkpoint.store import location, store_for
 from kiln.cli import main
 from kiln.errors import KilnError
@@ -115,7 +118,10 @@ def test_an_interrupted_or_damaged_save_in_s3_is_skipped_and_cleared(bucket):
     store = store_for(root)
     for step in (2, 4, 6):
         _stage(root, step)
-        layout.commit(root, step)
+        layout.commit(root, step, written=["train_state.json", "__0_0.distcp"])
+    # The manifest holds what the writers reported, not whatever a listing of the prefix shows.
+    store.write_bytes(root / "step_00000002" / "stray", b"not written by this save")
+    assert set(layout.read_manifest(root / "step_00000002")) == {"train_state.json", "__0_0.distcp"}
     store.write_bytes(root / "step_00000006" / "__0_0.distcp", b"x" * 10)  # replaced, shorter
     _stage(root, 8)  # the save died before its marker
 
@@ -203,3 +209,48 @@ def test_a_protocol_without_its_package_is_named_by_the_cli(debug_overrides, cap
     code = main(["train", str(DEBUG_CONFIG), *debug_overrides, *SHORT, "--checkpoint.dir=gs://b/r"])
     assert code == 2
     assert "no filesystem for gs://: install gcsfs" in capsys.readouterr().err
+
+
+# Another run, in a process of its own, holding a prefix until its standard input closes.
+_HOLDER = """
+import sys
+from kiln.checkpoint.lease import Lease
+from kiln.checkpoint.store import location
+lease = Lease(location(sys.argv[1]), run="another-run", run_dir="/elsewhere/run")
+lease.take(wait_s=0)
+print("held", flush=True)
+sys.stdin.read()
+lease.release()
+"""
+
+
+def test_a_prefix_held_by_another_live_run_is_waited_for_then_refused(
+    debug_overrides, bucket, capsys
+):
+    root = f"s3://{bucket}/run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = [*debug_overrides, *SHORT, f"--checkpoint.dir={root}", "--checkpoint.owner_wait_s=1"]
+        assert main(["train", str(DEBUG_CONFIG), *args]) == 2
+        err = capsys.readouterr().err
+        assert f"held by run another-run (host {socket.gethostname()}, pid {holder.pid}" in err
+        assert "waiting up to 1 s" in err and "checkpoint.owner_wait_s" in err
+        assert _keys(bucket) == ["run/OWNER"]  # nothing written, nothing removed
+    finally:
+        holder.communicate("", timeout=60)
+    assert _keys(bucket) == []  # released by its holder
+
+    # A lease whose holder stopped renewing it long ago (a killed job) is taken over.
+    stale = {"run": "dead", "host": "gone", "pid": 1, "run_dir": "/x", "heartbeat": 0.0}
+    store_for(location(root)).write_bytes(location(root) / "OWNER", json.dumps(stale).encode())
+    lease = Lease(location(root), run="next", run_dir="/y")
+    lease.take(wait_s=0)
+    assert lease.holder().run == "next"
+    lease.release()
+    assert _keys(bucket) == []

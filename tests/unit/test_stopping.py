@@ -3,9 +3,11 @@
 import os
 import signal
 import time
+from concurrent.futures import Future
 
 import pytest
 
+from kiln.checkpoint.saver import CheckpointSaver, _InFlight
 from kiln.config import JobConfig, validate
 from kiln.errors import ConfigError
 from kiln.resilience import PreemptionFlag
@@ -44,6 +46,20 @@ def test_the_time_limit_keeps_room_for_two_steps_and_a_checkpoint():
         step_seconds=30, save_seconds=30
     )  # only rank 0 decides
     assert not TimeLimit(0).expiring(step_seconds=1e9, save_seconds=1e9)  # no limit
+
+
+def test_a_stop_with_a_save_in_flight_budgets_its_rest_and_one_more_save(tmp_path):
+    """A stop waits for the save in flight, then saves its own step: both count."""
+    saver = CheckpointSaver(tmp_path)
+    saver.last_seconds = 4.0
+    assert saver.stop_seconds() == 4.0  # nothing in flight: one save
+    unfinished = Future()
+    saver.in_flight = _InFlight(1, unfinished, time.monotonic() - 1.0, 0.1, own_files=[])
+    # 3 s left of a save as long as the last (4 s, begun 1 s ago), then a 4 s save: 7 s, less
+    # the instants between the two clock reads.
+    assert 6.9 < saver.stop_seconds() <= 7.0
+    unfinished.set_result(None)
+    assert saver.stop_seconds() == 4.0  # written: only the commit is left
 
 
 def test_the_limit_counts_from_the_start_of_the_process():
