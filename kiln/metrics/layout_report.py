@@ -27,7 +27,13 @@ def startup_summary(
     sent this one under fault tolerance, in place of a checkpoint or scratch)."""
     m = cfg.model
     model = f"model {m.preset or 'custom'}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads"
-    model += f" of {m.resolved_head_dim}"
+    if m.family == "deepseek_v3":  # MLA: queries and keys are wider than values, head_dim unused
+        a = m.mla
+        model += (
+            f" (queries/keys {a.qk_nope_head_dim} + {a.qk_rope_head_dim}, values {a.v_head_dim})"
+        )
+    else:
+        model += f" of {m.resolved_head_dim}"
     if m.moe.num_experts > 0:
         model += f", {m.moe.num_experts} experts top-{m.moe.top_k}"
     start = peer_start or (

@@ -8,6 +8,7 @@ import pytest
 from kiln.config import load_config, resolve_layout
 from kiln.config.load import RECIPE_DIR, SHIPPED_CONFIGS, find_recipe
 from kiln.errors import ConfigError
+from kiln.metrics.layout_report import startup_summary
 from tests.conftest import REPO
 
 RECIPES = {
@@ -34,8 +35,14 @@ RECIPES = {
     # DeepSeek-V3 family (docs/models.md)
     "deepseek_v2_lite_16gpu_ep8": (16, {"dp_shard": 2, "ep": 8, "tp": 1}),
 }
-# One process: smoke runs and the demo.
-SMALL_RECIPES = {"debug", "demo", "debug_moe"}
+# One process: smoke runs and the demo, with the heads `kiln train`'s start-up line gives.
+SMALL_RECIPES = {
+    "debug": "4 heads of 32",
+    "demo": "6 heads of 64",
+    "debug_moe": "4 heads of 32",
+    "qwen3_debug": "4 heads of 48",  # Qwen3's decoupled head width (docs/models.md)
+    "deepseek_v3_debug": "4 heads (queries/keys 16 + 8, values 16)",  # MLA: no one head width
+}
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -48,12 +55,14 @@ def test_recipe_checks_at_its_gpu_count(name):
 
 def test_every_shipped_recipe_is_checked_here():
     shipped = {path.stem for path in (REPO / "configs" / "train").glob("*.toml")}
-    assert shipped == set(RECIPES) | SMALL_RECIPES
+    assert shipped == set(RECIPES) | set(SMALL_RECIPES)
 
 
 @pytest.mark.parametrize("name", sorted(SMALL_RECIPES))
 def test_small_recipe_checks_in_one_process(name):
-    load_config(REPO / "configs" / "train" / f"{name}.toml", world_size=1)
+    cfg = load_config(REPO / "configs" / "train" / f"{name}.toml", world_size=1)
+    model = startup_summary(cfg, 1, None, 0).splitlines()[0]
+    assert model.startswith(f"kiln: model {cfg.model.preset}: ") and SMALL_RECIPES[name] in model
 
 
 def test_shipped_recipes_are_the_repository_configs():
