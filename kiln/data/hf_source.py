@@ -72,7 +72,12 @@ def prepare_hf_cache(entry: DatasetSource, *, tokenizer_path: str, cache_dir: Pa
 class StreamingSamples:
     """Data rank `data_rank` of `data_ranks`: its share of the dataset's rows (`stream_share.py`),
     tokenized in order, each document followed by the end-of-document token, packed into windows
-    of seq_len + 1 tokens that overlap by one. Only the share is read and tokenized."""
+    of seq_len + 1 tokens that overlap by one. Only the share is read and tokenized.
+
+    Every token of the share is a target once: the stream opens with the input of its first
+    target (an end-of-document token, or the token before it in a row continued from another
+    rank count), and a row continued in the middle of the stream is preceded by its own input,
+    which is not a target there (`take` says where)."""
 
     streaming = True
 
@@ -101,19 +106,21 @@ class StreamingSamples:
         self.layout, positions, note = resume_positions(saved, self.data_ranks)
         position = positions[self.data_rank]
         self._sample = position.sample
-        # Documents not fully read yet, as (row, first token held, tokens from there): the first
-        # starts the next window at self._offset.
-        self._pending: deque[tuple[int, int, np.ndarray]] = deque()
+        # Rows not fully read yet, as (row, index in the row of the first token held, tokens from
+        # there, whether that first token is a target): the first starts the next window at
+        # self._offset.
+        self._pending: deque[tuple[int, int, np.ndarray, bool]] = deque()
         self._offset, self._saved = 0, position
-        self._documents = self._read_documents(first=position.document, offset=position.offset)
+        self._documents = self._read_documents(first=position.document, trained=position.trained)
         self._fill(1)
         return note
 
     def position(self) -> dict[str, Any]:
-        """This rank's place: the next row not fully read, the tokens of it read, windows taken."""
-        if not self._pending:  # the share was read to its end before this run
-            return {**self._saved.__dict__, "sample": self._sample}
-        row, base, _ = self._pending[0]
+        """This rank's place (a `stream_share.Position`): the next row not fully trained on, the
+        token of it the next window starts with, windows taken."""
+        if self._sample == self._saved.sample:  # no window taken since the seek
+            return dict(self._saved.__dict__)
+        row, base, _, _ = self._pending[0]
         return {"document": row, "offset": base + self._offset, "sample": self._sample}
 
     def gathered_state(self, positions: list[dict[str, Any]]) -> dict[str, Any]:
@@ -136,13 +143,16 @@ class StreamingSamples:
                 "weights (checkpoint.load_path with checkpoint.model_only = true)"
             )
 
-    def take(self) -> np.ndarray:
-        """This rank's next window."""
+    def take(self) -> tuple[np.ndarray, list[int]]:
+        """This rank's next window, and the positions among its targets (window[1:]) that are
+        not targets: the inputs put before rows continued from another rank count."""
         need = self.seq_len + 1
         self._fill(need)
         # Only the pieces the window takes: a long document stays pending for many windows.
-        pieces, start, left = [], self._offset, need
-        for _, _, tokens in self._pending:
+        pieces, untrained, start, left = [], [], self._offset, need
+        for _, _, tokens, target in self._pending:
+            if pieces and not target:
+                untrained.append(need - left - 1)
             pieces.append(tokens[start : start + left])
             left, start = left - len(pieces[-1]), 0
             if not left:
@@ -153,11 +163,11 @@ class StreamingSamples:
         while self._offset >= len(self._pending[0][2]):
             self._offset -= len(self._pending.popleft()[2])
         self._sample += 1
-        return window.astype(np.int64)
+        return window.astype(np.int64), untrained
 
     def _fill(self, need: int) -> None:
         """Read documents until the pending ones hold `need` tokens past the offset."""
-        while sum(len(t) for _, _, t in self._pending) - self._offset < need:
+        while sum(len(t) for _, _, t, _ in self._pending) - self._offset < need:
             try:
                 self._pending.append(next(self._documents))
             except StopIteration:
@@ -169,21 +179,34 @@ class StreamingSamples:
                     "in new epochs) or more data"
                 ) from None
 
-    def _read_documents(self, *, first: int, offset: int) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(row, first token kept, tokens) of this rank's share from row `first` (whose first
-        `offset` tokens were read) on. Empty rows are documents of no tokens (not even an EOS,
-        as `kiln prepare` drops them), so document numbers are the dataset's row numbers."""
+    def _read_documents(
+        self, *, first: int, trained: int
+    ) -> Iterator[tuple[int, int, np.ndarray, bool]]:
+        """The pending entries of this rank's share from row `first` (whose first `trained`
+        tokens were targets) on: each row from the input of its first target not yet trained.
+        Empty rows are documents of no tokens (not even an EOS, as `kiln prepare` drops them), so
+        document numbers are the dataset's row numbers."""
         rows = self.dataset.select_columns([self.entry.text_key])
         share = self.layout.share(self.data_rank, first=first)
-        starts = {first: offset}
+        starts, opening = {first: trained}, True
         while True:
             chunk = list(itertools.islice(share, STREAM_ROWS))
-            chunk = [(row, starts.pop(row, read)) for row, read in chunk if row < len(rows)]
+            chunk = [(row, starts.pop(row, done)) for row, done in chunk if row < len(rows)]
             if not chunk:
                 return
             texts = [text or "" for text in rows[[row for row, _ in chunk]][self.entry.text_key]]
-            for (row, read), tokens in zip(chunk, self._encode(texts), strict=True):
-                yield row, read, tokens[read:]
+            for (row, done), tokens in zip(chunk, self._encode(texts), strict=True):
+                # Each first target gets its own input: a row not begun follows an EOS (the row
+                # before's, or one put first); a row begun elsewhere gets the token before back,
+                # which opens the stream or, held in the middle of it, is no target here.
+                if opening:  # even with nothing left to train: a resume there starts at its EOS
+                    opening = False
+                    if done:
+                        yield row, done - 1, tokens[done - 1 :], False
+                    else:
+                        yield row, -1, np.array([self.eos_id, *tokens], dtype=np.int64), False
+                elif done < len(tokens):
+                    yield row, max(done - 1, 0), tokens[max(done - 1, 0) :], not done
 
     def _encode(self, texts: list[str]) -> list[np.ndarray]:
         ids = encode_ids(self.tokenizer, texts)

@@ -74,7 +74,7 @@ class Source:
     """One dataset of the mixture as the loader sees it."""
 
     name: str
-    samples: Any  # ShuffledSamples, or a streaming source with take(k) / position()
+    samples: Any  # ShuffledSamples, or a streaming source with take() / position()
     eos_id: int
 
 
@@ -295,9 +295,10 @@ class BatchLoader:
 
     def _read_streams(
         self, first: int, choices: np.ndarray, rows: list[int]
-    ) -> dict[int, np.ndarray]:
-        """Tokens of this rank's samples from streaming sources, by global sample index: each
-        rank reads the next windows of its own share of the stream, in row order."""
+    ) -> dict[int, tuple[np.ndarray, list[int]]]:
+        """This rank's samples from streaming sources, by global sample index: each rank reads
+        the next windows of its own share of the stream, in row order (with the targets of each
+        that are not trained on, see `StreamingSamples.take`)."""
         out = {}
         for row in rows:
             samples = self.sources[int(choices[row])].samples
@@ -333,10 +334,14 @@ class _PlannedReader:
     def __getitem__(self, plan: dict) -> dict[str, Any]:
         """The step's arrays as numpy: pickled through the worker's pipe they reach the training
         process 2-3x faster than torch tensors in shared memory (benchmarks/data.md)."""
-        rows = self._read(plan["rows"], plan["streamed"])
+        streamed = plan["streamed"]
+        rows = self._read(plan["rows"], {g: window for g, (window, _) in streamed.items()})
         tokens = np.stack(rows).reshape(plan["micro"], -1, rows[0].shape[0])
         datasets = np.array([d for _, d, _ in plan["rows"]]).reshape(plan["micro"], -1)
         labels = tokens[:, :, 1:].copy()
+        for row, (g, _, _) in zip(labels.reshape(len(rows), -1), plan["rows"], strict=True):
+            if g in streamed:  # a streamed window's inputs that are not targets there
+                row[streamed[g][1]] = IGNORE_INDEX
         if self.document_mask:
             # The token after an end-of-document belongs to the next document: not a target.
             eos = np.array([self.sources[d].eos_id for _, d, _ in plan["rows"]])

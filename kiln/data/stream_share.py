@@ -3,10 +3,10 @@
 Data rank r of R reads documents start + r, start + r + R, start + r + 2R, ... of the stream
 (its share) and packs them into its own windows. A resume at the same R continues every rank at
 its saved position. A resume at another R (a new layout) starts the new ranks' shares at the
-lowest document any old rank still had to read; the documents the old ranks had already read, and
-the parts of the ones they were in the middle of, are skipped, so nothing is trained on twice
-and nothing is left out. What the old ranks had read is kept as an earlier layout until every new
-rank has passed its last document.
+lowest document any old rank still had to train on; the documents the old ranks had trained on
+whole are skipped, and one they were in the middle of continues at its first token that was not
+yet a target, so every token is a target exactly once. What the old ranks had trained on is kept
+as an earlier layout until every new rank has passed its last document.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ DONE = -1  # a document's status when an earlier layout read all of it
 
 @dataclass(frozen=True)
 class EarlierLayout:
-    """How far each rank of a past layout had read when it was replaced: rank r's share started
-    at `start` + r with stride `ranks`; it had read every document before `documents[r]` and
-    `offsets[r]` tokens of that one (0: none of it, whatever an earlier layout did)."""
+    """How far each rank of a past layout had trained when it was replaced: rank r's share started
+    at `start` + r with stride `ranks`; every token of its documents before `documents[r]` had
+    been a target, and the first `offsets[r]` of that one (0: none, whatever an earlier layout
+    did)."""
 
     start: int
     ranks: int
@@ -30,8 +31,8 @@ class EarlierLayout:
     offsets: tuple[int, ...]
 
     def status(self, document: int, earlier: int) -> int:
-        """Tokens of `document` read by the end of this layout (DONE: all), given `earlier`, its
-        status before this layout began."""
+        """Tokens of `document` trained on (targets) by the end of this layout (DONE: all), given
+        `earlier`, its status before this layout began."""
         if document < self.start:
             return earlier
         rank = (document - self.start) % self.ranks
@@ -61,8 +62,8 @@ class Layout:
         return read
 
     def share(self, rank: int, *, first: int) -> Iterator[tuple[int, int]]:
-        """(document, first token to read) of rank `rank`'s share from document `first` on,
-        leaving out the documents an earlier layout read whole."""
+        """(document, tokens of it already trained on) of rank `rank`'s share from document
+        `first` on, leaving out the documents an earlier layout trained on whole."""
         document = first
         while True:
             read = self.status(document)
@@ -71,7 +72,8 @@ class Layout:
             document += self.ranks
 
     def first_document(self, rank: int) -> tuple[int, int]:
-        """Where rank `rank` starts in this layout: its first unread document and offset."""
+        """Where rank `rank` starts in this layout: its first document not trained on whole, and
+        the tokens of it that were."""
         return next(self.share(rank, first=self.start + rank))
 
     def to_state(self) -> dict[str, Any]:
@@ -100,12 +102,19 @@ class Layout:
 
 @dataclass(frozen=True)
 class Position:
-    """One rank's place in its share: the next document not fully read, the tokens of it already
-    read, and the windows this rank has taken."""
+    """One rank's place in its share: the next document not fully trained on, a token of it, and
+    the windows this rank has taken in its layout. Windows overlap by one token, so after a window
+    (`sample` > 0) `offset` is the token the next one starts with, which was the last one's final
+    target; before any (`sample` 0) it is the first token not yet a target."""
 
     document: int
     offset: int
     sample: int = 0
+
+    @property
+    def trained(self) -> int:
+        """Tokens of `document` that have been targets (by this rank or an earlier layout)."""
+        return self.offset + 1 if self.sample else self.offset
 
 
 def relayout(layout: Layout, positions: list[Position], ranks: int) -> Layout:
@@ -115,10 +124,10 @@ def relayout(layout: Layout, positions: list[Position], ranks: int) -> Layout:
         layout.start,
         layout.ranks,
         tuple(p.document for p in positions),
-        tuple(p.offset for p in positions),
+        tuple(p.trained for p in positions),
     )
     start = min(past.documents)
-    # Every document before `start` is done; a past layout that read nothing at or after it
+    # Every document before `start` is done; a past layout that trained on nothing at or after it
     # decides nothing any more.
     kept = tuple(e for e in (*layout.earlier, past) if max(e.documents) >= start)
     return Layout(start=start, ranks=ranks, earlier=kept)
@@ -134,15 +143,10 @@ def resume_positions(
         return layout, [Position(*layout.first_document(r)) for r in range(ranks)], None
     if "positions" not in saved:
         # Written by a kiln whose every rank read the whole stream: one reader's position.
-        saved = {
-            "start": 0,
-            "ranks": 1,
-            "positions": [{"document": saved["document"], "offset": saved["offset"]}],
-        }
+        position = {key: saved[key] for key in ("document", "offset", "sample")}
+        saved = {"start": 0, "ranks": 1, "positions": [position]}
     layout = Layout.from_state(saved)
-    positions = [
-        Position(p["document"], p["offset"], p.get("sample", 0)) for p in saved["positions"]
-    ]
+    positions = [Position(p["document"], p["offset"], p["sample"]) for p in saved["positions"]]
     if layout.ranks == ranks:
         return layout, positions, None
     new = relayout(layout, positions, ranks)
@@ -150,6 +154,6 @@ def resume_positions(
     note = (
         f"saved by {layout.ranks} data rank(s), continued on {ranks}: rank r now reads documents "
         f"{new.start} + r, {new.start} + r + {ranks}, ..., skipping the documents (and parts of "
-        "documents) already trained on, so no token is repeated or left out"
+        "documents) already trained on, so every token is a target exactly once"
     )
     return new, moved, note

@@ -4,12 +4,15 @@ streaming (tokenized while training, position saved). Real `datasets` folders, r
 from __future__ import annotations
 
 import json
+import random
+from collections import Counter
 from pathlib import Path
 
 import datasets
 import fsspec
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kiln.config import load_config
 from kiln.config.sections import DataConfig, DatasetSource
@@ -18,6 +21,7 @@ from kiln.data.hf_source import StreamingSamples
 from kiln.data.loader import BatchLoader
 from kiln.data.sources import ensure_local_data, open_training_data
 from kiln.errors import ConfigError, KilnError
+from kiln.tokens import EOS_TOKEN, IGNORE_INDEX
 from kiln.train.trainer import Trainer
 from tests.conftest import DEBUG_CONFIG
 from tests.support.servers import http_server, make_bucket
@@ -85,19 +89,59 @@ def gathered(streams: list[StreamingSamples]) -> dict:
     return streams[0].gathered_state([s.position() for s in streams])
 
 
+def stream_loaders(
+    cfg: DataConfig, ranks: int, *, batch_size: int, grad_accum_steps: int = 1
+) -> list[BatchLoader]:
+    """Data ranks 0 .. ranks - 1 of a streamed dataset in this one process, as the trainer makes
+    them (one rank: no gather, as in one process)."""
+    made = []
+
+    def gather(value):
+        if isinstance(value, tuple):  # a save: every rank's positions
+            return [(lo.data_rank, lo._state["streams"]) for lo in made]
+        return [value]  # a step's failure: only this rank's is known in one process
+
+    for rank in range(ranks):
+        (source,) = open_training_data(
+            cfg,
+            seq_len=SEQ,
+            model_vocab_size=4096,
+            seed=0,
+            cache_dir=Path("unused"),
+            data_rank=rank,
+            data_ranks=ranks,
+        )
+        loader = BatchLoader(
+            [source],
+            cfg,
+            seed=0,
+            batch_size=batch_size,
+            grad_accum_steps=grad_accum_steps,
+            data_ranks=ranks,
+            data_rank=rank,
+            gather=gather if ranks > 1 else None,
+        )
+        made.append(loader)
+    return made
+
+
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_each_rank_streams_the_packed_documents_of_its_share(saved, tokenizer, ranks):
     documents = document_tokens(tokenizer)
+    eos = np.array([eos_id(load_tokenizer(tokenizer))])
     for rank in range(ranks):
         samples = streamer(saved, tokenizer, rank, ranks)
-        share = documents[rank::ranks]  # rows rank, rank + ranks, ...: only these are read
+        # Rows rank, rank + ranks, ...: only these are read, after an EOS, the input of the
+        # first row's first token (a target like every other).
+        share = [eos, *documents[rank::ranks]]
         for k, expected in enumerate(windows_of(share, 40 // ranks)):
-            assert (samples.take() == expected).all(), (rank, k)
+            window, untrained = samples.take()
+            assert (window == expected).all() and not untrained, (rank, k)
 
 
 def test_streaming_resumes_at_its_saved_position_on_the_same_ranks(saved, tokenizer):
     uninterrupted = [streamer(saved, tokenizer, r, 2) for r in range(2)]
-    expected = [[s.take() for _ in range(20)] for s in uninterrupted]
+    expected = [[s.take()[0] for _ in range(20)] for s in uninterrupted]
     first = [streamer(saved, tokenizer, r, 2) for r in range(2)]
     for s in first:
         for _ in range(9):
@@ -108,97 +152,101 @@ def test_streaming_resumes_at_its_saved_position_on_the_same_ranks(saved, tokeni
         resumed = streamer(saved, tokenizer, rank, 2)
         assert resumed.seek(state) is None
         for k in range(9, 20):
-            assert (resumed.take() == expected[rank][k]).all(), (rank, k)
+            assert (resumed.take()[0] == expected[rank][k]).all(), (rank, k)
 
 
-@pytest.mark.parametrize("new_ranks", [1, 3])
-def test_a_stream_resumed_on_another_number_of_ranks_repeats_and_skips_nothing(
-    saved, tokenizer, new_ranks
-):
-    documents = document_tokens(tokenizer)
-    first = [streamer(saved, tokenizer, r, 2) for r in range(2)]
-    for s, steps in zip(first, [7, 12], strict=True):  # mid-document, ranks apart
-        for _ in range(steps):
-            s.take()
-    state = gathered(first)
-    read = {}  # tokens of each row the first run trained on (its windows' inputs)
-    for rank, p in enumerate(state["positions"]):
-        for row in range(rank, p["document"], 2):
-            read[row] = len(documents[row])
-        read[p["document"]] = p["offset"]
-    resumed = [streamer(saved, tokenizer, r, new_ranks) for r in range(new_ranks)]
-    notes = [s.seek(state) for s in resumed]
-    assert all("continued on" in note for note in notes)
-    for rank, s in enumerate(resumed):
-        layout = s.layout
-        position = s.position()
-        # What this rank reads: its share of the rows from its position, each from the first
-        # token nobody trained on; the rows the first run read whole are not among them.
-        plan = [
-            (row, start)
-            for row, start in zip(
-                range(40), layout.share(rank, first=position["document"]), strict=False
-            )
-        ]
-        rows = [row for _, (row, _) in plan if row < len(documents)]
-        assert not any(read.get(row, 0) == len(documents[row]) > 0 for row in rows)
-        share = [documents[row][read.get(row, 0) :] for row in rows]
-        for k, expected in enumerate(windows_of(share, 5)):
-            assert (s.take() == expected).all(), (rank, k)
+def test_a_stream_resumed_on_2_then_3_then_1_ranks_trains_every_token_once(tmp_path):
+    """Through the loader's saved state, as the trainer resumes. Every word of the corpus is a
+    token of its own, so each (input, target) pair trained names the one token it trains."""
+    rng = random.Random(1)
+    texts, words = [], 0
+    for _ in range(60):  # lengths that put the ranks in the middle of rows, and an empty row
+        count = rng.choice([0, 1, 4, 13, 40])
+        texts.append(" ".join(f"w{words + i}" for i in range(count)))
+        words += count
+    eos, vocab = 0, {EOS_TOKEN: 0, "[UNK]": 1} | {f"w{i}": i + 2 for i in range(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "words.json"))
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(tmp_path / "words")
+    cfg = DataConfig(
+        source="hf",
+        path=str(tmp_path / "words"),
+        streaming=True,
+        tokenizer=str(tmp_path / "words.json"),
+    )
+    # The stream's pairs, as one uninterrupted run trains them: each row's words in order, each
+    # row after an EOS (the end of the row before it on its rank) and followed by one.
+    stream, row_of = Counter(), {}
+    for row, text in enumerate(texts):
+        ids = [vocab[word] for word in text.split()]
+        row_of |= dict.fromkeys(ids, row)
+        if ids:
+            stream.update(zip([eos, *ids], [*ids, eos], strict=True))
+    trained, not_targets = Counter(), 0
+
+    def count(step) -> None:
+        nonlocal not_targets
+        for inputs, labels in step.micro_batches:
+            pairs = zip(inputs.flatten().tolist(), labels.flatten().tolist(), strict=True)
+            trained.update((i, t) for i, t in pairs if t != IGNORE_INDEX)
+            not_targets += int((labels == IGNORE_INDEX).sum())
+
+    state = None
+    for ranks in [2, 3]:  # 6 windows a step
+        loaders = stream_loaders(cfg, ranks, batch_size=6 // ranks)
+        for loader in loaders:
+            if state:
+                loader.load_state_dict(state)
+        for _ in range(2):
+            for loader in loaders:
+                count(loader.next_step())
+        state = loaders[0].state_dict()
+    assert state["streams"]["data"]["ranks"] == 3
+    # One window a step, so the end loses none; the twin resumes at every step on one rank
+    # again, after the rank-count changes, and reads the same windows.
+    last, twin = stream_loaders(cfg, 1, batch_size=1)[0], stream_loaders(cfg, 1, batch_size=1)[0]
+    last.load_state_dict(state)
+    eos_before_a_begun_row = False
+    with pytest.raises(KilnError, match="ran out on data rank 0"):
+        while True:
+            twin.load_state_dict(last.state_dict())
+            step, again = last.next_step(), twin.next_step()
+            for a, b in zip(step.micro_batches, again.micro_batches, strict=True):
+                assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+            count(step)
+            inputs, labels = step.micro_batches[0]
+            # The case a resume could get wrong: the window starts at a row's EOS and the next
+            # row was begun on another rank, so its token before follows, not a target.
+            eos_before_a_begun_row |= bool(inputs[0, 0] == eos and labels[0, 0] == IGNORE_INDEX)
+    assert not_targets > 0 and eos_before_a_begun_row  # the seed makes both happen
+    assert max(trained.values()) == 1 and set(trained) <= set(stream)  # nothing twice or made up
+    # Nothing left out but the end of the stream that does not fill a window: exact.
+    left = set(stream) - set(trained)
+    end = last.state_dict()["streams"]["data"]["positions"][0]["document"]
+    assert len(left) < SEQ and all(row_of[max(pair)] >= end for pair in left), sorted(left)
 
 
-def test_streaming_through_the_loader_resumes_on_other_rank_counts(saved, tokenizer):
+def test_streaming_through_the_loader_resumes_on_the_same_rank_count(saved, tokenizer):
     cfg = DataConfig(
         source="hf", path=str(saved), text_key="content", streaming=True, tokenizer=str(tokenizer)
     )
 
-    def loaders(ranks: int) -> list[BatchLoader]:
-        made = []
-        for rank in range(ranks):
-            (source,) = open_training_data(
-                cfg,
-                seq_len=SEQ,
-                model_vocab_size=4096,
-                seed=0,
-                cache_dir=Path("unused"),
-                data_rank=rank,
-                data_ranks=ranks,
-            )
-            loader = BatchLoader(
-                [source],
-                cfg,
-                seed=0,
-                batch_size=4 // ranks,
-                grad_accum_steps=2,
-                data_ranks=ranks,
-                data_rank=rank,
-                # The collective over ranks, for ranks that live in this one process.
-                gather=lambda value, made=made: [
-                    (lo.data_rank, lo._state["streams"]) if isinstance(value, tuple) else None
-                    for lo in made
-                ],
-            )
-            made.append(loader)
-        return made
-
-    two = loaders(2)
+    two = stream_loaders(cfg, 2, batch_size=2, grad_accum_steps=2)
     for _ in range(3):
         steps = [lo.next_step() for lo in two]
     assert steps[0].sample_ids != steps[1].sample_ids
     state = two[0].state_dict()
     assert state == two[1].state_dict()
     assert len(state["streams"]["data"]["positions"]) == 2
-    again = loaders(2)
+    again = stream_loaders(cfg, 2, batch_size=2, grad_accum_steps=2)
     for lo in again:
         lo.load_state_dict(state)
     for _ in range(2):
         for lo, resumed in zip(two, again, strict=True):
             expected, got = lo.next_step(), resumed.next_step()
-            for (a, _), (b, _) in zip(expected.micro_batches, got.micro_batches, strict=True):
-                assert (a == b).all()
-    (one,) = loaders(1)
-    one.load_state_dict(state)  # on one rank: continues, repeating nothing (see the test above)
-    assert one.next_step().micro_batches[0][0].shape == (4, SEQ)
+            for a, b in zip(expected.micro_batches, got.micro_batches, strict=True):
+                assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
 
 
 def test_eager_is_tokenized_once_into_the_cache(saved, tokenizer, tmp_path):
@@ -269,7 +317,7 @@ def test_a_stream_of_files_at_a_url_reads_like_the_saved_dataset(
     make_bucket(s3_endpoint, "streams")
     fsspec.filesystem("s3").pipe("streams/code/part-0.jsonl", lines.encode())
     expected = streamer(saved, tokenizer, 1, 2)
-    windows = [expected.take() for _ in range(12)]
+    windows = [expected.take()[0] for _ in range(12)]
     with http_server(tmp_path / "web") as url:
         for path in (f"{url}/code.jsonl", "s3://streams/code/*.jsonl"):
             remote = StreamingSamples(
@@ -280,7 +328,7 @@ def test_a_stream_of_files_at_a_url_reads_like_the_saved_dataset(
                 data_ranks=2,
             )
             for k, window in enumerate(windows):
-                assert (remote.take() == window).all(), (path, k)
+                assert (remote.take()[0] == window).all(), (path, k)
 
 
 def test_a_stream_resumed_over_other_rows_is_refused(saved, tokenizer, tmp_path):

@@ -1,6 +1,7 @@
 """The rule for which documents of a stream each data rank reads, and how a resume on another
 number of ranks continues: simulated over random document lengths and chains of changes, every
-token of every document is read exactly once."""
+token of every document is a target exactly once. test_hf_source.py checks the same of the real
+reader through the loader."""
 
 from __future__ import annotations
 
@@ -15,29 +16,29 @@ from kiln.data.stream_share import DONE, Layout, Position, relayout, resume_posi
 def read_tokens(
     layout: Layout, positions: list[Position], lengths: list[int], budget: int, seen: list[int]
 ) -> list[Position]:
-    """Each rank reads `budget` more tokens of its share from its position, counting every
-    token it reads into `seen` (tokens read per document); returns the new positions."""
+    """Each rank trains on `budget` more targets of its share from its position, counting each
+    into `seen` (targets per document); returns the positions as the reader reports them: the
+    last target's token, which the next window starts with."""
     moved = []
     for rank, position in enumerate(positions):
-        left = budget
-        starts = {position.document: position.offset}
-        for document, read in layout.share(rank, first=position.document):
-            if document >= len(lengths):
-                moved.append(Position(document, 0))
+        left, last = budget, None
+        starts = {position.document: position.trained}
+        for document, trained in layout.share(rank, first=position.document):
+            if document >= len(lengths) or not left:
                 break
-            offset = starts.pop(document, read)
-            take = min(left, lengths[document] - offset)
+            trained = starts.pop(document, trained)
+            take = min(left, lengths[document] - trained)
             seen[document] += take
             left -= take
-            if offset + take < lengths[document]:
-                moved.append(Position(document, offset + take))
-                break
+            if take:
+                last = (document, trained + take - 1)
+        moved.append(Position(*last, position.sample + 1) if last else position)
     return moved
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("skewed", [False, True])
-def test_a_chain_of_rank_count_changes_reads_every_token_once(seed, skewed):
+def test_a_chain_of_rank_count_changes_trains_every_token_once(seed, skewed):
     rng = random.Random(seed)
     lengths = [rng.choice([0, 1, 3, 17, 40, 150]) for _ in range(3000)]
     if skewed:  # even documents long, odd ones short: at 2 ranks, rank 1 runs far ahead
@@ -53,7 +54,7 @@ def test_a_chain_of_rank_count_changes_reads_every_token_once(seed, skewed):
         assert (note is None) == (len(state["positions"]) == ranks)
         positions = read_tokens(layout, positions, lengths, rng.randint(50, 700), seen)
     frontier = min(p.document for p in positions)
-    # Exact: everything before every rank's position read once, nothing read twice.
+    # Exact: every token before every rank's position a target once, none twice.
     assert all(count <= length for count, length in zip(seen, lengths, strict=True))
     assert seen[:frontier] == lengths[:frontier]
     assert len(layout.earlier) <= 4  # past layouts are dropped once every rank is past them
@@ -83,3 +84,7 @@ def test_the_shares_partition_the_stream_and_a_change_skips_what_was_read():
         (1, (6, 5)),
         (2, (10, 0)),
     ]
+    # A rank that has taken windows trained on the token its next one starts with too; so did
+    # the single reader of an older kiln (one position, no layout).
+    new, moved, _ = resume_positions({"document": 5, "offset": 2, "sample": 3}, 2)
+    assert (new.start, new.status(5), moved) == (5, 3, [Position(5, 3), Position(6, 0)])
