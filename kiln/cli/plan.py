@@ -31,7 +31,8 @@ def add_parsers(subcommand) -> None:
     plan = subcommand(
         "plan",
         help="recommend a parallel layout, batch and AC mode for a model on given GPUs",
-        epilog="Every estimate's terms and its error against published runs: " + docs("scaling.md"),
+        epilog=f"{docs('scaling.md')} It gives every estimate's terms and its error against "
+        "published runs.",
     )
     plan.add_argument(
         "--model",

@@ -24,7 +24,9 @@ def add_parsers(subcommand) -> None:
         "--input",
         nargs="+",
         help="input files, folders, glob patterns (quoted, e.g. 'data/**/*.jsonl'), folders "
-        "written by datasets' save_to_disk, or hf:NAME[:CONFIG] from the local Hugging Face cache",
+        "written by datasets' save_to_disk, hf:NAME[:CONFIG] from the local Hugging Face cache, "
+        "or URLs: a file at https://, http://, s3:// or gs://, an object-store prefix "
+        "(s3://bucket/crawl/) or glob ('s3://bucket/2026-*/*.jsonl'); .txt, .jsonl and .parquet",
     )
     tokenizer = prepare.add_mutually_exclusive_group()
     tokenizer.add_argument("--tokenizer", help="path to a Hugging Face tokenizer.json")

@@ -46,6 +46,9 @@ def test_help(command, tmp_path):
     assert "usage: kiln" in result.stdout
     if command[:1] != ["convert"]:
         assert "Guide: docs/" in result.stdout, result.stdout
+    if command == ["prepare"]:  # inputs at a URL, as docs/data.md lists them
+        flat = " ".join(result.stdout.split())
+        assert all(scheme in flat for scheme in ("https://", "s3://", "gs://")), flat
 
 
 def test_help_shows_defaults_and_version_is_reported(tmp_path):
