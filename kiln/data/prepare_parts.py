@@ -137,23 +137,73 @@ def record_plan(parts_dir: Path, plan: dict[str, Any], arguments: list[str]) -> 
         staging.write_text(json.dumps({**plan, "inputs": arguments}, indent=2) + "\n")
         os.replace(staging, path)  # parts that start together write the same plan
     recorded = json.loads(path.read_text())
-    differs = [
-        key
-        for key in ("parts", "tokenizer_sha256", "sources", "prepare")
-        if recorded.get(key) != plan[key]
-    ]
+    differs = plan_differences(recorded, plan)
     if differs:
-        names = {
-            "parts": "--parts",
-            "tokenizer_sha256": "tokenizer",
-            "sources": "inputs",
-            "prepare": "options",
-        }
         raise KilnError(
-            f"{parts_dir} holds the parts of another run (other "
-            f"{', '.join(names[key] for key in differs)}); run every part with the same inputs, "
-            f"tokenizer, options and --parts, or remove {parts_dir} to start over"
+            f"{parts_dir} holds the parts of another run: {'; '.join(differs)}. Run every part "
+            f"with the same inputs, tokenizer, options and --parts, or remove {parts_dir} to "
+            "start over"
         )
+
+
+# The options of a run in parts, by their flags.
+_OPTION_FLAGS = {
+    "text_key": "--text-key",
+    "split": "--split",
+    "shard_tokens": "--shard-tokens",
+    "train_tokenizer": "--train-tokenizer",
+    "val_fraction": "--val-fraction",
+    "val_documents": "--val-documents",
+}
+_THERE = "in the parts already started"
+
+
+def plan_differences(recorded: dict[str, Any], plan: dict[str, Any]) -> list[str]:
+    """What this part was given that differs from the run whose plan is `recorded`, each said
+    with both values."""
+    found = []
+    if recorded.get("parts") != plan["parts"]:
+        found.append(f"--parts {plan['parts']} here, {recorded.get('parts')} {_THERE}")
+    if recorded.get("tokenizer_sha256") != plan["tokenizer_sha256"]:
+        here, there = plan["tokenizer_sha256"], str(recorded.get("tokenizer_sha256"))
+        found.append(f"another tokenizer (sha256 {here[:12]} here, {there[:12]} {_THERE})")
+    if recorded.get("sources") != plan["sources"]:
+        found.append(_input_difference(recorded, plan))
+    options, before = plan["prepare"], recorded.get("prepare", {})
+    for key in sorted(set(options) | set(before)):
+        if options.get(key) != before.get(key):
+            flag = _OPTION_FLAGS.get(key, key)
+            found.append(
+                f"{flag} {_shown(options.get(key))} here, {_shown(before.get(key))} {_THERE}"
+            )
+    return found
+
+
+def _input_difference(recorded: dict[str, Any], plan: dict[str, Any]) -> str:
+    """Which inputs differ: files only one side reads, or files that changed in between."""
+    now = {_source_name(source): source for source in plan["sources"]}
+    then = {_source_name(source): source for source in recorded.get("sources", [])}
+    said = [
+        f"{what}: {', '.join(names)}"
+        for what, names in (
+            ("only here", [name for name in now if name not in then]),
+            (f"only {_THERE}", [name for name in then if name not in now]),
+            (
+                "changed since the first part read them",
+                [n for n in now if n in then and now[n] != then[n]],
+            ),
+        )
+        if names
+    ]
+    return f"other inputs ({'; '.join(said) or 'the same, in another order'})"
+
+
+def _source_name(source: dict[str, Any]) -> str:
+    return str(source.get("path") or source.get("url") or source.get("dataset") or source)
+
+
+def _shown(value: Any) -> str:
+    return "not given" if value is None else repr(value) if isinstance(value, str) else str(value)
 
 
 class PartWriter(ShardWriter):

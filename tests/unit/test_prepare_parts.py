@@ -179,10 +179,20 @@ def test_what_a_part_cannot_do_is_refused(
         prepare_dataset(inputs(corpus), tokenizer_file, out, part=2, parts=2)
     assert not out.exists()
     prepare_dataset(inputs(corpus)[2:], tokenizer_file, out, num_workers=0, part=0, parts=2)
-    with pytest.raises(KilnError, match=r"holds the parts of another run \(other options\)"):
-        prepare_dataset(inputs(corpus)[2:], tokenizer_file, out, part=1, parts=2, val_fraction=0.5)
-    with pytest.raises(KilnError, match=r"another run \(other --parts\)"):
-        prepare_dataset(inputs(corpus)[2:], tokenizer_file, out, part=1, parts=3)
+    # Each refusal names what differs, with its value here and in the run.
+    started = "in the parts already started"
+    same = inputs(corpus)[2:]
+    refused = [
+        (f"--val-fraction 0.5 here, not given {started}", same, {"val_fraction": 0.5}),
+        (f"--parts 3 here, 2 {started}", same, {"parts": 3}),
+        (f"--text-key 'body' here, 'text' {started}", same, {"text_key": "body"}),
+        (f"other inputs (only here: {(corpus / 'b.parquet').resolve()})", inputs(corpus)[1:], {}),
+    ]
+    for message, given, options in refused:
+        with pytest.raises(KilnError) as raised:
+            prepare_dataset(given, tokenizer_file, out, **{"part": 1, "parts": 2, **options})
+        expected = f"{out / '.parts'} holds the parts of another run: {message}. Run every"
+        assert expected in str(raised.value)
 
 
 def test_part_and_parts_come_from_flags_torchrun_or_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
