@@ -187,3 +187,31 @@ def test_too_many_non_finite_steps_stop_the_job_with_a_message(gangs, tmp_path, 
     (output,) = failed.value.outputs
     assert "2 steps in a row up to step 3 had a non-finite loss" in output
     assert "Traceback" not in output
+
+
+def kiln_train_as_two_nodes(args: list[str], nodes: str) -> None:
+    """`kiln train ARGS` with each rank the first of a node of its own (LOCAL_RANK 0), working
+    in its own folder under `nodes`: a relative checkpoint.dir is a different folder on each."""
+    own = Path(nodes) / f"node_{os.environ['RANK']}"
+    own.mkdir(parents=True, exist_ok=True)
+    before, local_rank = os.getcwd(), os.environ["LOCAL_RANK"]
+    os.chdir(own)
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        kiln_train(args)
+    finally:
+        os.chdir(before)
+        os.environ["LOCAL_RANK"] = local_rank
+
+
+def test_a_checkpoint_dir_that_is_not_shared_by_the_nodes_stops_the_start(
+    gangs, tmp_path, demo_data
+):
+    args = kiln_args(tmp_path / "run", demo_data, "--checkpoint.dir=checkpoints")
+    with pytest.raises(JobFailed) as failed:
+        gangs.run(2, kiln_train_as_two_nodes, args, str(tmp_path))
+    assert all("exited with code 2" in error for error in failed.value.errors.values())
+    output = "".join(failed.value.outputs)  # rank 0 prints the error; rank 1 raised it too
+    assert "checkpoint.dir checkpoints is not one shared filesystem" in output
+    assert "(rank 1 on" in output and "Traceback" not in output
+    assert not list(tmp_path.glob("node_*/checkpoints/*"))  # each node's token removed
