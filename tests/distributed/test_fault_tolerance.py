@@ -119,6 +119,7 @@ def test_a_killed_group_is_dropped_then_rejoins_from_the_live_one(tmp_path, demo
     assert survivor.count("replica group 0: group 1 joined at step") == joins >= 2
     step = healed[-1]["step"]
     assert f"replica group 1 joined at step {step} from group 0" in log(logs / "again")
+    assert f"starts from replica group 0's state at step {step - 1}" in log(logs / "again")
     # Every step of the run trained once in group 0, the dead group's failed step included
     # (it was not committed, and redone on the next batch).
     assert logged_steps(run / "replica_group_0") == list(range(1, steps + 1))
