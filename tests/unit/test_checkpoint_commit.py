@@ -6,6 +6,7 @@ previous one and reproduces the uninterrupted run bitwise."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -229,3 +230,34 @@ def test_an_unreadable_marker_is_damage_not_an_old_format(tmp_path):
     assert "COMPLETE marker is empty or unreadable" in damage(step)
     with pytest.raises(KilnError, match="empty or unreadable"):
         resolve_checkpoint(step)
+
+
+def _probe_new_folders(root: Path, tries: int, barrier, failures) -> None:
+    from kiln.checkpoint.store import LocalStore
+
+    for i in range(tries):
+        barrier.wait()  # both processes probe the same new folder at the same moment
+        try:
+            LocalStore().check_writable(root / f"new_{i}" / "checkpoints")
+        except KilnError as error:
+            failures.put(str(error))
+    failures.put(None)
+
+
+def test_two_jobs_probing_one_new_folder_both_find_it_writable(tmp_path):
+    """The replica groups of a fault-tolerant run probe one new checkpoint folder at once: one's
+    clean-up removing the folder under the other's probe is not "not writable"."""
+    context = multiprocessing.get_context("fork")
+    barrier, failures = context.Barrier(2), context.Queue()
+    jobs = [
+        context.Process(target=_probe_new_folders, args=(tmp_path, 150, barrier, failures))
+        for _ in range(2)
+    ]
+    for job in jobs:
+        job.start()
+    reported = [failures.get(timeout=120) for _ in range(2)]
+    for job in jobs:
+        job.join()
+    assert reported == [None, None]  # each job's end, with no failure before it
+    # No probe is left; a new folder may be (the other job's probe was in it at its clean-up).
+    assert not list(tmp_path.rglob(".write_test*"))
