@@ -46,6 +46,10 @@ class Owner:
     run_dir: str
     heartbeat: float  # wall-clock time of the holder's last renewal
 
+    def expired(self) -> bool:
+        """Not renewed for EXPIRES_S: its run died without releasing it."""
+        return time.time() - self.heartbeat > EXPIRES_S
+
     def is_this_process(self) -> bool:
         return (self.host, self.pid) == (socket.gethostname(), os.getpid())
 
@@ -108,8 +112,7 @@ class Lease:
         self._thread.start()
 
     def _may_take(self, held: Owner) -> bool:
-        expired = time.time() - held.heartbeat > EXPIRES_S
-        return held.run == self.run or held.is_this_process() or expired
+        return held.run == self.run or held.is_this_process() or held.expired()
 
     def holder(self) -> Owner | None:
         """The owner recorded under `root` (None: none, or a file a crash left unreadable)."""

@@ -227,6 +227,13 @@ class CheckpointManager:
             timeout_s=collective_timeout_s,
         )
 
+    def holder(self) -> str | None:
+        """Which live run holds the checkpoint location now, for `kiln check` (None: none)."""
+        held = Lease(self.dir, run="", run_dir="").holder()
+        if held is None or held.expired():
+            return None
+        return f"{held.describe()}; kiln train waits up to checkpoint.owner_wait_s for it"
+
     def _take_lease(self) -> None:
         shared = str(self.dir) if self.fault_tolerant else None
         lease = Lease(self.dir, run=run_identity(fault_tolerant_dir=shared), run_dir=self.run_dir)

@@ -79,9 +79,11 @@ def _checkpoint_notes(cfg: JobConfig, world_size: int) -> list[str]:
     global_batch = cfg.train.batch_size * cfg.train.grad_accum_steps * data_ranks
     start = checkpoints.start_point(run_fingerprint(cfg, global_batch=global_batch))
     check_stop_at_step(cfg, start.step)
+    held = checkpoints.holder()
+    owner = [] if held is None else [f"checkpoints: {checkpoints.dir} is held now by {held}"]
     if start.kind is StartKind.SCRATCH:
-        return [f"checkpoints: a new run in {checkpoints.dir}"]
-    return [f"checkpoints: {start.kind} from {start.path} (step {start.step})"]
+        return [f"checkpoints: a new run in {checkpoints.dir}", *owner]
+    return [f"checkpoints: {start.kind} from {start.path} (step {start.step})", *owner]
 
 
 def check_stop_at_step(cfg: JobConfig, start_step: int) -> None:

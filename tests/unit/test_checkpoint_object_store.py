@@ -242,6 +242,10 @@ def test_a_prefix_held_by_another_live_run_is_waited_for_then_refused(
         assert f"held by run another-run (host {socket.gethostname()}, pid {holder.pid}" in err
         assert "waiting up to 1 s" in err and "checkpoint.owner_wait_s" in err
         assert _keys(bucket) == ["run/OWNER"]  # nothing written, nothing removed
+        assert main(["check", str(DEBUG_CONFIG), *args]) == 0  # kiln check says so up front
+        assert f"is held now by run another-run (host {socket.gethostname()}" in (
+            capsys.readouterr().out
+        )
     finally:
         holder.communicate("", timeout=60)
     assert _keys(bucket) == []  # released by its holder
