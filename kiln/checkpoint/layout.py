@@ -219,7 +219,10 @@ def resolve_checkpoint(path: str | Location) -> Location:
     path = location(path)
     store = store_for(path)
     if not store.exists(path):
-        raise KilnError(f"checkpoint not found: {path}")
+        raise KilnError(
+            f"checkpoint not found: {path}. Pass a run directory, its checkpoints/ folder or a "
+            "step_XXXXXXXX folder, and check the path (for a URL: the bucket, prefix and spelling)"
+        )
     if not complete_steps(path) and store.exists(path / "checkpoints"):
         path = path / "checkpoints"  # a run directory (metrics.run_dir)
     if _STEP_RE.match(path.name) and is_complete(path):
@@ -235,6 +238,12 @@ def resolve_checkpoint(path: str | Location) -> Location:
     if newest is None and complete_steps(path):
         found = "; ".join(s.message() for s in skipped)
         raise KilnError(f"{path} holds no intact checkpoint: {found}")
+    if newest is None and skipped:
+        found = "; ".join(s.message() for s in skipped)
+        raise KilnError(
+            f"{path} holds no complete checkpoint yet ({found}): use it after a save commits, "
+            "or pass an earlier checkpoint"
+        )
     if newest is None:
         raise KilnError(
             f"{path} is not a kiln checkpoint: expected a step_XXXXXXXX/ folder with a {MARKER} marker, "

@@ -81,8 +81,6 @@ class Lease:
     def __init__(self, root: Location, *, run: str, run_dir: str):
         self.root, self.file, self.store = root, root / OWNER, store_for(root)
         self.run, self.run_dir = run, run_dir
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def take(self, *, wait_s: float) -> None:
         """Hold `root`, waiting up to `wait_s` for another live run to release it."""
@@ -106,10 +104,12 @@ class Lease:
                 warn(f"{self.root} is held by {held.describe()}; waiting up to {wait_s:.0f} s")
                 told = True
             time.sleep(min(_POLL_S, left))
-        _release_held(self.root)  # an earlier hold of this process (tests build many runs)
-        _HELD[str(self.root)] = self
-        self._thread = threading.Thread(target=self._renew, name="kiln-lease", daemon=True)
-        self._thread.start()
+        with _LOCK:
+            earlier = _HELD.pop(str(self.root), None)  # this process's earlier run there
+            _HELD[str(self.root)] = self
+        if earlier is not None:
+            earlier.release()
+        _start_renewing()
 
     def _may_take(self, held: Owner) -> bool:
         return held.run == self.run or held.is_this_process() or held.expired()
@@ -125,41 +125,60 @@ class Lease:
         me = Owner(self.run, socket.gethostname(), os.getpid(), self.run_dir, time.time())
         self.store.write_own(self.file, (json.dumps(asdict(me)) + "\n").encode())
 
-    def _renew(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                held = self.holder()
-                if held is not None and held.run != self.run:
-                    warn(f"{self.root} was taken over by {held.describe()}; no longer renewing")
-                    return
-                self._write()
-            except OSError as error:  # the next renewal tries again; the lease outlives a few
-                warn(f"could not renew the lease on {self.root}: {error}")
+    def renew(self) -> bool:
+        """Write a fresh heartbeat; False when the lease is no longer this run's to renew."""
+        if not self.store.exists(self.root):
+            return False  # the location was deleted: nothing left to hold
+        held = self.holder()
+        if held is not None and held.run != self.run:
+            warn(f"{self.root} was taken over by {held.describe()}; no longer renewing")
+            return False
+        self._write()
+        return True
 
     def release(self) -> None:
         """Stop renewing and remove the OWNER file if it is still this run's."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        with _LOCK:
+            if _HELD.get(str(self.root)) is self:
+                del _HELD[str(self.root)]
         held = self.holder()
         if held is not None and held.run == self.run and held.is_this_process():
             with contextlib.suppress(OSError):  # else it expires on its own
                 self.store.remove_file(self.file)
 
 
+# The leases this process holds, by location, and the one thread that renews them all.
 _HELD: dict[str, Lease] = {}
+_LOCK = threading.Lock()
+_RENEWER: list[threading.Thread] = []
 
 
-def _release_held(root: Location) -> None:
-    lease = _HELD.pop(str(root), None)
-    if lease is not None:
-        lease.release()
+def _start_renewing() -> None:
+    with _LOCK:
+        if not _RENEWER:
+            _RENEWER.append(threading.Thread(target=_renew_all, name="kiln-lease", daemon=True))
+            _RENEWER[0].start()
+
+
+def _renew_all() -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        with _LOCK:
+            held = list(_HELD.values())
+        for lease in held:
+            try:
+                if not lease.renew():
+                    lease.release()
+            except OSError as error:  # tried again next time: the lease outlives a few misses
+                warn(f"could not renew the lease on {lease.root}: {error}")
 
 
 def release_all() -> None:
     """Release every lease this process holds (its runs ended, however)."""
-    for root in list(_HELD):
-        _HELD.pop(root).release()
+    with _LOCK:
+        held = list(_HELD.values())
+    for lease in held:
+        lease.release()
 
 
 atexit.register(release_all)

@@ -218,7 +218,9 @@ class CheckpointManager:
         self.probe_writable()
         if self.will_save:
             check_one_filesystem(self.dir)
-            decide_on_main(self._take_lease, what="take the checkpoint location")
+            # The other ranks wait for the lease in a collective: its timeout bounds the wait.
+            wait_s = min(self.cfg.owner_wait_s, 0.8 * collective_timeout_s)
+            decide_on_main(lambda: self._take_lease(wait_s), what="take the checkpoint location")
         self.saver = CheckpointSaver(
             self.dir,
             keep_last_n=self.cfg.keep_last_n,
@@ -234,10 +236,10 @@ class CheckpointManager:
             return None
         return f"{held.describe()}; kiln train waits up to checkpoint.owner_wait_s for it"
 
-    def _take_lease(self) -> None:
+    def _take_lease(self, wait_s: float) -> None:
         shared = str(self.dir) if self.fault_tolerant else None
         lease = Lease(self.dir, run=run_identity(fault_tolerant_dir=shared), run_dir=self.run_dir)
-        lease.take(wait_s=self.cfg.owner_wait_s)
+        lease.take(wait_s=wait_s)
         self.lease = lease
 
     def save(self, step: int, **state: Any) -> None:

@@ -334,7 +334,8 @@ class CheckpointConfig:
     keep_last_n: int = 0
     save_final: bool = True
     # A run that saves holds its checkpoint location (an OWNER file renewed while it lives); when
-    # another live run holds it, wait this long for it to end before refusing to start.
+    # another live run holds it, wait this long for it to end before refusing to start (at most
+    # 80% of resilience.collective_timeout_s, which the other ranks wait in meanwhile).
     owner_wait_s: float = 300.0
     async_mode: AsyncMode = "disabled"
     resume: ResumeMode = "auto"

@@ -153,6 +153,11 @@ def test_kiln_eval_of_a_bucket_without_a_complete_checkpoint_is_one_message(buck
         assert err.count("error:") == 1 and str(url) in err and "Traceback" not in err, err
     assert "an incomplete checkpoint (no COMPLETE marker)" in errors["step_00000002"]
     assert "use an earlier step" in errors["step_00000002"]
+    assert (
+        "holds no complete checkpoint yet" in errors["run"]
+        and "after a save commits" in errors["run"]
+    )
+    assert "check the path (for a URL: the bucket, prefix and spelling)" in errors["nothing"]
     assert _keys(bucket) == before  # nothing lost: evaluating reads, never clears a save
 
 
