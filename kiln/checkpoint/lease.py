@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from kiln.checkpoint.store import Location, store_for
+from kiln.checkpoint.store import Location, missing_folders, remove_if_empty, store_for
 from kiln.errors import ConfigError
 from kiln.log import warn
 
@@ -81,6 +81,7 @@ class Lease:
     def __init__(self, root: Location, *, run: str, run_dir: str):
         self.root, self.file, self.store = root, root / OWNER, store_for(root)
         self.run, self.run_dir = run, run_dir
+        self.created = missing_folders(root)  # removed again if the run leaves them empty
 
     def take(self, *, wait_s: float) -> None:
         """Hold `root`, waiting up to `wait_s` for another live run to release it."""
@@ -145,6 +146,7 @@ class Lease:
         if held is not None and held.run == self.run and held.is_this_process():
             with contextlib.suppress(OSError):  # else it expires on its own
                 self.store.remove_file(self.file)
+        remove_if_empty(self.created)
 
 
 # The leases this process holds, by location, and the one thread that renews them all.

@@ -14,7 +14,13 @@ import uuid
 
 import torch.distributed as dist
 
-from kiln.checkpoint.store import Location, ObjectPath, store_for
+from kiln.checkpoint.store import (
+    Location,
+    ObjectPath,
+    missing_folders,
+    remove_if_empty,
+    store_for,
+)
 from kiln.errors import ConfigError
 from kiln.parallel.agree import decide_on_main, gather_from_all, raise_any_failure
 
@@ -30,6 +36,7 @@ def check_one_filesystem(root: Location) -> None:
     writes = int(os.environ.get("LOCAL_RANK", rank)) == 0
     check = decide_on_main(lambda: uuid.uuid4().hex[:12], what="name the shared-folder check")
     token = root / f".node_check_{check}_{rank:05d}"
+    created = missing_folders(root)
     failure = None
     if writes:
         try:
@@ -53,6 +60,7 @@ def check_one_filesystem(root: Location) -> None:
     missing = decide_on_main(unseen, what="look for every node's file in checkpoint.dir")
     if writes:
         store.remove_file(token)
+        remove_if_empty(created)
     if missing:
         named = ", ".join(f"rank {r} on {host}" for r, host in missing[:4])
         raise ConfigError(

@@ -180,7 +180,7 @@ class LocalStore:
 
     def check_writable(self, root: Location) -> None:
         root = Path(root)
-        created = [path for path in (root, *root.parents) if not path.exists()]
+        created = missing_folders(root)
         probe = root / probe_name()
         # Several jobs may probe one new folder at once (the replica groups of a fault-tolerant
         # run): another's clean-up can remove the folder between this one's mkdir and its write.
@@ -195,11 +195,7 @@ class LocalStore:
                     raise self._not_writable(root, "it kept disappearing") from None
             except OSError as error:
                 raise self._not_writable(root, error.strerror or str(error)) from None
-        for path in created:  # a folder another job's probe still uses stays
-            try:
-                path.rmdir()
-            except OSError:
-                break
+        remove_if_empty(created)  # a folder another job's probe still uses stays
 
     @staticmethod
     def _not_writable(root: Path, why: str) -> KilnError:
@@ -220,6 +216,23 @@ class LocalStore:
 
 
 _PROBE_TRIES = 5
+
+
+def missing_folders(root: Location) -> list[Path]:
+    """The folders writing under `root` would create, deepest first (none in an object store):
+    what a start-up check removes again, so a run that fails at start-up leaves nothing."""
+    if isinstance(root, ObjectPath):
+        return []
+    return [path for path in (Path(root), *Path(root).parents) if not path.exists()]
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove `folders` (deepest first) while they are empty."""
+    for path in folders:
+        try:
+            path.rmdir()
+        except OSError:
+            break
 
 
 def probe_name() -> str:
