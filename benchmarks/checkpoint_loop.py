@@ -1,26 +1,38 @@
 """Checkpoints through the training loop: what a save costs the steps around it, sync against
-async, and what the commit's fsyncs add.
+async (DCP's writer in a thread of the training process, or in a process of its own), and what
+the commit's fsyncs add.
 
 Each arm is `Trainer.train()` as `kiln train` runs it (one process, the demo corpus), saving every
 `--interval` steps. The time between the ends of consecutive steps is recorded (the benchmark
 wraps `Trainer.train_step`; kiln is not changed), so the interval after a save's step holds what
 the save blocked plus the next step's compute, while an async write runs beside it. The
 `checkpoint` events of `events.jsonl` give each save's blocked and write time and the step after
-which it was committed. The fsync arm times `layout.commit` (rank 0's commit: fsyncs, marker,
+which it was committed. The `async_process` arm is kiln's async save with DCP's process-based
+writer (`AsyncCheckpointerType.PROCESS`, staging in shared memory so the pipe carries handles,
+not bytes), patched in by the benchmark; it needs a process group, so with it every arm runs in
+a one-rank gloo world. The fsync arm times `layout.commit` (rank 0's commit: fsyncs, marker,
 rename, `latest`) with the fsyncs and, in the same run, with them replaced by a no-op.
 
     OMP_NUM_THREADS=2 python benchmarks/checkpoint_loop.py --preset debug --steps 24 --interval 4
     OMP_NUM_THREADS=2 python benchmarks/checkpoint_loop.py --preset llama3_125m --steps 12 --interval 4
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint_loop.py --modes sync,async,async_process --no-commit
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import os
+import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from kiln.checkpoint import layout, saver, store
 from kiln.config import load_config
@@ -45,33 +57,64 @@ def run_arm(args, data: Path, run_dir: Path, mode: str) -> dict:
         "--scheduler.warmup_steps=1",
         f"--checkpoint.interval={args.interval}",
         "--checkpoint.keep_last_n=2",
-        f"--checkpoint.async_mode='{'async' if mode == 'async' else 'disabled'}'",
+        f"--checkpoint.async_mode='{'disabled' if mode == 'sync' else 'async'}'",
     ]
-    trainer = Trainer(load_config(RECIPE, overrides, world_size=1))
     ends: list[float] = []
-    real_step = trainer.train_step
+    with process_based() if mode == "async_process" else contextlib.nullcontext():
+        trainer = Trainer(load_config(RECIPE, overrides, world_size=1))
+        real_step = trainer.train_step
 
-    def timed_step(**flags):
-        result = real_step(**flags)
-        ends.append(time.perf_counter())
-        return result
+        def timed_step(**flags):
+            result = real_step(**flags)
+            ends.append(time.perf_counter())
+            return result
 
-    trainer.train_step = timed_step
-    trainer.train()
+        trainer.train_step = timed_step
+        trainer.train()
     intervals = {step: ends[step - 1] - ends[step - 2] for step in range(2, len(ends) + 1)}
     events = [e for e in read_events(run_dir) if e["event"] == "checkpoint"]
     return {"intervals": intervals, "events": events}
 
 
+@contextlib.contextmanager
+def process_based():
+    """kiln's async save with DCP's process-based writer and shared-memory staging."""
+    real_save, real_options = saver.dcp.async_save, saver.StagingOptions
+    saver.dcp.async_save = functools.partial(
+        real_save, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+    )
+    saver.StagingOptions = lambda **options: real_options(**{**options, "use_shared_memory": True})
+    try:
+        yield
+    finally:
+        saver.dcp.async_save, saver.StagingOptions = real_save, real_options
+
+
+def one_rank_world() -> None:
+    """A one-rank gloo world: DCP's process-based writer broadcasts its address over it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
 def summarize(arm: dict, interval: int, steps: int) -> dict:
-    """Steps right after a save's step (they carry what the save blocked) against the others;
-    the first steps (warm-up) and the final save are left out."""
-    after_save = [t for s, t in arm["intervals"].items() if s > 2 and (s - 1) % interval == 0]
-    plain = [t for s, t in arm["intervals"].items() if s > 2 and (s - 1) % interval != 0]
+    """Steps right after a save's step (they carry what the save blocked), the other steps that
+    ran beside a background write, and the steps with no save around them; the first steps
+    (warm-up) and the final save are left out."""
     saves = [e for e in arm["events"] if e["step"] < steps]
+    writing = {s for e in saves for s in range(e["step"] + 2, e["committed_after_step"] + 1)}
+    after_save = [t for s, t in arm["intervals"].items() if s > 2 and (s - 1) % interval == 0]
+    beside = [t for s, t in arm["intervals"].items() if s in writing and (s - 1) % interval]
+    plain = [
+        t for s, t in arm["intervals"].items() if s > 2 and (s - 1) % interval and s not in writing
+    ]
     return {
         "step_after_save_s": statistics.median(after_save),
+        "step_beside_write_s": statistics.median(beside) if beside else None,
         "step_plain_s": statistics.median(plain),
+        "first_write_s": saves[0]["write_s"],
         "blocked_s": statistics.median(e["blocked_s"] for e in saves),
         "write_s": statistics.median(e["write_s"] for e in saves),
         "committed_steps_later": statistics.median(
@@ -103,6 +146,11 @@ def commit_cost(args, data: Path, root: Path) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def median_or_none(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="debug")
@@ -111,20 +159,26 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each arm, alternating")
+    parser.add_argument("--modes", default="sync,async", help="arms: sync, async, async_process")
+    parser.add_argument("--no-commit", action="store_true", help="skip the fsync arm")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if "async_process" in modes:
+        one_rank_world()
     with tempfile.TemporaryDirectory(prefix="kiln-ckpt-loop-") as scratch:
         root = Path(scratch)
         data = ensure_demo_corpus(root / "demo", max_bytes=2_000_000)
-        results: dict[str, list[dict]] = {"sync": [], "async": []}
+        results: dict[str, list[dict]] = {mode: [] for mode in modes}
         for round_ in range(args.rounds):
-            for mode in ("sync", "async") if round_ % 2 == 0 else ("async", "sync"):
+            for mode in modes if round_ % 2 == 0 else modes[::-1]:
                 arm = run_arm(args, data, root / f"{mode}_{round_}", mode)
                 results[mode].append(summarize(arm, args.interval, args.steps))
         report = {
-            mode: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+            mode: {key: median_or_none([r[key] for r in rounds]) for key in rounds[0]}
             for mode, rounds in results.items()
         }
-        report["commit"] = commit_cost(args, data, root)
+        if not args.no_commit:
+            report["commit"] = commit_cost(args, data, root)
     print(json.dumps({"args": vars(args), **report}, indent=1))
 
 
