@@ -88,11 +88,13 @@ class MoEBalancing(StepHook):
         sums = take_aux_loss_sums(self.model_parts)
         self.step = self.step._replace(loads=loads, aux_loss_sums=sums)
         if loads is not None:
-            for message in self.idle_experts.update(loads):
-                if self.says_idle:
-                    warn(message)
+            self.idle_experts.update(loads)
 
     def records(self) -> dict[str, float]:
+        # The idle experts are named at logged steps: their counts stay on the device between.
+        for message in self.idle_experts.messages():
+            if self.says_idle:
+                warn(message)
         if self.step is None:
             return {}
         return moe_records(
