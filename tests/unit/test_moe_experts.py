@@ -129,3 +129,36 @@ def test_dispatch_and_combine_gradients():
     dispatcher.combine(rows * 2, weights, state).sum().backward()
     assert torch.allclose(x.grad, 2 * weights.detach().sum(-1, keepdim=True).expand(7, 3))
     assert torch.allclose(weights.grad, 2 * x.detach().sum(-1, keepdim=True).expand(7, 2))
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.75])
+def test_dispatch_and_combine_equal_the_per_slot_formulation_bit_for_bit(capacity_factor):
+    # The per-slot formulation: a copy of every token per slot, gathered by the sorted order,
+    # and the outputs weighed slot by slot. The dispatcher gathers from the tokens and combines
+    # all slots at once; the values and both gradients must not move by a bit.
+    dispatcher = LocalDispatcher(num_experts=5, top_k=3, capacity_factor=capacity_factor)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 9, 8, generator=generator)
+    weights = torch.rand(2, 9, 3, generator=generator)
+    indices = torch.rand(18, 5, generator=generator).topk(3, dim=-1).indices
+    target = torch.randn(2, 9, 8, generator=generator)
+
+    def run(per_slot: bool):
+        tokens, w = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        flat = tokens.flatten(0, 1)
+        rows, _, state = dispatcher.dispatch(flat, indices)
+        if per_slot:
+            rows = flat.unsqueeze(1).expand(18, 3, 8).reshape(-1, 8)[state.order]
+        out_rows = rows * 1.5 + rows.square()  # a stand-in expert, nonlinear in its rows
+        if per_slot:
+            slots = out_rows.new_zeros(54, 8).index_copy(0, state.order, out_rows).view(2, 9, 3, 8)
+            out = slots[..., 0, :] * w[..., :1]
+            for k in range(1, 3):
+                out = out + slots[..., k, :] * w[..., k : k + 1]
+        else:
+            out = dispatcher.combine(out_rows, w, state)
+        (out * target).sum().backward()
+        return out, tokens.grad, w.grad
+
+    for new, reference in zip(run(per_slot=False), run(per_slot=True), strict=True):
+        assert torch.equal(new, reference)

@@ -4,9 +4,11 @@
 expert outputs back and weighs them. Expert parallel implements the same two calls with
 all-to-all exchanges; the MoE block only ever calls these two.
 
-Both directions are deterministic, gradients included: a token's copy is gathered from a
-per-slot (tokens · top_k) layout, so every index occurs once, and the k slots of a token are
-summed in slot order, never by an atomic scatter-add whose order is unspecified.
+Both directions are deterministic, gradients included: the k slots of a token are summed in
+slot order (the copies' gradients in dispatch, the weighted outputs in combine) from a per-slot
+(tokens · top_k) layout in which every index occurs once, never by an atomic scatter-add whose
+order is unspecified. The copies themselves are gathered straight from the tokens: no per-slot
+copy of the input is made.
 """
 
 from __future__ import annotations
@@ -37,15 +39,14 @@ class LocalDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         """x (tokens, dim), indices (tokens, top_k) -> rows sorted by expert (kept, dim), rows
         per expert (experts,), and the state `combine` needs."""
-        num_tokens, dim = x.shape
+        num_tokens = x.shape[0]
         experts = indices.flatten()
         order = torch.argsort(experts, stable=True)
         counts = count_values(experts, self.num_experts)
         if self.capacity_factor > 0:
             order, counts = self._drop_over_capacity(order, experts, counts, num_tokens)
-        # One row per slot, then a gather in which every index occurs once (see module doc).
-        slots = x.unsqueeze(1).expand(num_tokens, self.top_k, dim).reshape(-1, dim)
-        return slots[order], counts, DispatchState(order, num_tokens)
+        rows = _TokenCopies.apply(x, order, self.top_k)
+        return rows, counts, DispatchState(order, num_tokens)
 
     def combine(
         self, expert_out: torch.Tensor, weights: torch.Tensor, state: DispatchState
@@ -58,10 +59,9 @@ class LocalDispatcher:
         slots = expert_out.new_zeros(state.num_tokens * self.top_k, dim)
         slots = slots.index_copy(0, state.order, expert_out)
         slots = slots.view(*weights.shape[:-1], self.top_k, dim)
-        out = slots[..., 0, :] * weights[..., :1]
-        for k in range(1, self.top_k):
-            out = out + slots[..., k, :] * weights[..., k : k + 1]
-        return out
+        # All slots in one product and one sum over the slot axis (in slot order, see module
+        # doc); the product promotes the outputs to the weights' dtype, as the sum needs.
+        return (slots * weights.unsqueeze(-1)).sum(dim=-2)
 
     def capacity(self, num_tokens: int) -> int:
         """Most assignments one expert keeps out of `num_tokens` tokens."""
@@ -74,3 +74,23 @@ class LocalDispatcher:
         first_row = torch.cumsum(counts, dim=0) - counts
         rank_in_expert = torch.arange(len(order), device=order.device) - first_row[experts[order]]
         return order[rank_in_expert < capacity], counts.clamp(max=capacity)
+
+
+class _TokenCopies(torch.autograd.Function):
+    """x (tokens, dim) -> the row of each sorted slot, x[order // top_k], gathered straight from
+    the tokens. Its backward writes the rows' gradients to a per-slot layout (every slot once)
+    and sums each token's k slots in slot order: the same values, bit for bit, as the gradient
+    of a gather from a per-slot copy of x, without making that copy in forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
+        return x.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (order,) = ctx.saved_tensors
+        slots = grad.new_zeros(ctx.num_tokens * ctx.top_k, grad.shape[-1])
+        slots.index_copy_(0, order, grad)
+        return slots.view(ctx.num_tokens, ctx.top_k, -1).sum(dim=1), None, None
