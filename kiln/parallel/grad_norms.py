@@ -25,8 +25,8 @@ def squared_grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(0, dtype=torch.float64)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    squares = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in local])
-    squares = squares.square()
+    # One grouped kernel launch per device and dtype, not one per gradient.
+    squares = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square()
     # (mesh, sharded mesh dims) -> indices of the gradients sharded that way.
     groups: dict[tuple, list[int]] = {}
     for index, grad in enumerate(grads):

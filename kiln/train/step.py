@@ -19,7 +19,7 @@ from kiln.config import JobConfig
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
-from kiln.metrics.param_norms import param_grad_norms
+from kiln.metrics.param_norms import ParamGradNorms, param_grad_norms
 from kiln.model.document_mask import document_ids
 from kiln.model.forward_args import LossScale
 from kiln.parallel.agree import any_rank
@@ -58,7 +58,8 @@ class StepResult(NamedTuple):
     stop: bool  # some rank was signalled (SIGTERM/SIGUSR1/SIGINT)
     time_up: bool  # rank 0 found train.time_limit_minutes close
     save_written: bool  # every rank has written its part of the save in flight
-    param_grad_norms: dict[str, float] | None = None  # metrics.param_grad_norms
+    # metrics.param_grad_norms, on the device: `.read()` at a logged step (every rank at once).
+    param_grad_norms: ParamGradNorms | None = None
     # Fault tolerance: False when a replica group failed during the step (nothing updated).
     committed: bool = True
 
@@ -190,7 +191,7 @@ class TrainStep:
             return self.parallel.data_ranks
         return self.parallel.group_data_ranks * self.replicas.last.participants
 
-    def _clip(self) -> tuple[torch.Tensor, dict[str, float] | None]:
+    def _clip(self) -> tuple[torch.Tensor, ParamGradNorms | None]:
         """Sum the tied weight's two gradients, then clip: the gradient norm before clipping, and
         each parameter's (metrics.param_grad_norms)."""
         if self.tied is not None:
@@ -279,7 +280,11 @@ class TrainStep:
             )
         else:
             losses = token_loss_sum(
-                output, labels, z_loss_weight=train.z_loss_weight, per_row=per_row
+                output,
+                labels,
+                z_loss_weight=train.z_loss_weight,
+                per_row=per_row,
+                compiled=train.compile,
             )
         return self.nan_injection.apply(losses)
 

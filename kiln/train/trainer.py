@@ -247,7 +247,7 @@ class Trainer:
         )
         record["skipped_steps"] = self.nan_guard.skipped_total
         if result.param_grad_norms is not None:
-            record["param_grad_norms"] = result.param_grad_norms
+            record["param_grad_norms"] = result.param_grad_norms.read()
         record |= self.step_fn.records()
         if log.eval_due(self.step):
             log.excluding(lambda: record.update(self.evaluate()))  # not training time
