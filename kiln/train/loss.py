@@ -10,9 +10,21 @@ Under tensor parallel the head is split by vocabulary and the logits are vocabul
 DTensors (loss parallel: every tp rank holds every token, 1/tp of the vocabulary). Cross entropy
 runs under torch's `loss_parallel()`; the z-loss's logsumexp reduces each rank's max and sum of
 exponentials over the tp ranks (`_sharded_logsumexp`).
+
+The loss is computed in fp32 from logits in the model's precision (bf16 under mixed precision).
+Eager, that upcast is a copy of all the logits, 4 bytes per logit, and the cross entropy's
+log-probabilities and gradients are as large: 12 bytes per logit at the loss's peak. With
+`compiled` (`train.compile`), Inductor fuses the upcast into the loss's kernels: the fp32 values
+exist only per element inside them, what the backward keeps is the bf16 logits and one number
+per token, and the gradient comes out in the logits' dtype, 4 bytes per logit in all
+(benchmarks/overhead.md, "The loss"). Vocabulary-sharded logits (loss parallel) stay eager: the
+compiled graph would have to trace `loss_parallel()`'s DTensor cross entropy.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,11 +43,16 @@ def token_loss_sum(
     *,
     z_loss_weight: float = 0.0,
     per_row: bool = False,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Sum over valid tokens of cross entropy (+ z_loss_weight · logsumexp², which keeps logits
-    from drifting); with `per_row`, one sum per sequence (batch,), e.g. to split it by dataset."""
+    from drifting); with `per_row`, one sum per sequence (batch,), e.g. to split it by dataset;
+    `compiled`: through torch.compile, which keeps no fp32 copy of the logits."""
     rows = labels.shape[0]
-    loss = _token_losses(logits.flatten(0, -2), labels.flatten(), z_loss_weight, per_row)
+    losses = (
+        _compiled_token_losses() if compiled and not isinstance(logits, DTensor) else _token_losses
+    )
+    loss = losses(logits.flatten(0, -2), labels.flatten(), z_loss_weight, per_row)
     return loss.view(rows, -1).sum(dim=1) if per_row else loss
 
 
@@ -93,6 +110,13 @@ def _token_losses(
         z = _z_terms(logits, labels)
         loss = loss + z_loss_weight * (z if per_token else z.sum())
     return loss
+
+
+@functools.cache
+def _compiled_token_losses() -> Callable[..., torch.Tensor]:
+    # Built on first use: a run without `train.compile` never loads dynamo. One graph per dtype,
+    # z-loss on or off, per token or summed, and batch shape.
+    return torch.compile(_token_losses)
 
 
 def _z_terms(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
