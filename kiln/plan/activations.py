@@ -46,9 +46,16 @@ RSTD_BYTES = 4
 LSE_BYTES = 4
 # bf16 block input kept by a checkpointed block.
 CHECKPOINTED_LAYER_BYTES = 2
-# fp32 logits of the loss at their peak, per logit: the log-softmax cross entropy keeps (4) and
-# in backward its gradient (4) and the fp32 logits' gradient (4), before the cast back to bf16.
+# The eager loss at its peak, per logit (kiln/train/loss.py): from the fp32 copy of the logits,
+# the log-softmax cross entropy keeps its log-probabilities (4) and in backward their gradient (4)
+# and the fp32 logits' gradient (4), before the cast back to the model's dtype. The z-loss's
+# logsumexp also keeps the fp32 copy (4) and adds its gradient (4): measured 12 and 20 bytes per
+# bf16 logit on CPU (tests/unit/test_loss.py).
 LOGIT_BYTES = 12
+Z_LOSS_LOGIT_BYTES = 8
+# The compiled loss (train.compile, logits not vocabulary-sharded) computes in fp32 inside its
+# kernels: the logits its backward keeps and their gradient, each in the model's dtype.
+COMPILED_LOGIT_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -228,9 +235,9 @@ def activation_bytes(
 
 
 def logit_bytes(cfg: JobConfig, degrees: dict[str, int], impl: Implementation = KILN) -> float:
-    """The loss's fp32 logits at their peak: of every token of a micro-batch (loss parallel
-    gathers the sequence) over the vocabulary split by tp, or of one chunk of
-    `train.loss_chunk_tokens` tokens with the chunked loss. Each multi-token prediction depth
+    """The loss's logits at their peak: of every token of a micro-batch (loss parallel gathers
+    the sequence) over the vocabulary split by tp, or of one chunk of `train.loss_chunk_tokens`
+    tokens with the chunked loss; `loss_bytes_per_logit` each. Each multi-token prediction depth
     computes its loss in the forward over every token (kiln/model/deepseek/mtp.py) and keeps
     its fp32 log-probabilities (4 per logit) until the backward reaches it, whichever the main
     loss."""
@@ -240,4 +247,19 @@ def logit_bytes(cfg: JobConfig, degrees: dict[str, int], impl: Implementation = 
     if t.loss == "chunked_cross_entropy":
         tokens = min(tokens, t.loss_chunk_tokens)
     vocab = m.vocab_size / degrees["tp"] if impl.loss_parallel else m.vocab_size
-    return (LOGIT_BYTES * tokens + mtp) * vocab
+    return (loss_bytes_per_logit(cfg, degrees, impl) * tokens + mtp) * vocab
+
+
+def loss_bytes_per_logit(
+    cfg: JobConfig, degrees: dict[str, int], impl: Implementation = KILN
+) -> float:
+    """Bytes per logit at the loss's peak: compiled, two copies in the model's dtype; eager (the
+    chunked loss, vocabulary-sharded logits under tp, or no `train.compile`), the fp32 ones."""
+    t = cfg.train
+    sharded = degrees["tp"] > 1 and impl.loss_parallel
+    if t.compile and t.loss == "cross_entropy" and not sharded:
+        fp32 = t.mixed_precision == "fp32" or (
+            t.mixed_precision == "fp8" and cfg.fp8.high_precision == "fp32"
+        )
+        return COMPILED_LOGIT_COPIES * (4 if fp32 else 2)
+    return LOGIT_BYTES + (Z_LOSS_LOGIT_BYTES if t.z_loss_weight > 0 else 0)

@@ -3,7 +3,7 @@
   model state     fp32 weights, gradients, optimizer state, sharded (kiln/plan/model_state.py)
   activations     what the blocks keep for backward under the AC mode, the micro-batches in
                   flight, and the block being recomputed (kiln/plan/activations.py)
-  logits          the loss's fp32 logits at their peak (activations.py)
+  logits          the loss's logits at their peak, fp32 or fused by compile (activations.py)
   gathered        FSDP's units in flight in bf16 (`gathered_unit_bytes`), the root unit
                   (embeddings and head, gathered for the whole step), or without FSDP the bf16
                   weight copies autocast makes

@@ -113,6 +113,23 @@ def test_logits_are_fp32_with_their_gradients_split_by_vocabulary_under_loss_par
     assert logit_bytes(cfg, tp4, gathered) == 12 * 2048 * 1000
     cfg.train.loss, cfg.train.loss_chunk_tokens = "chunked_cross_entropy", 256
     assert logit_bytes(cfg, tp4) == 12 * 256 * 250
+    cfg.train.z_loss_weight = 1e-4  # logsumexp keeps the fp32 copy and adds its gradient
+    assert logit_bytes(cfg, tp4) == 20 * 256 * 250
+
+
+def test_the_compiled_loss_holds_the_logits_and_their_gradient_in_the_model_dtype():
+    """train.compile fuses the fp32 upcast into the loss's kernels (kiln/train/loss.py): 4 bytes
+    per bf16 logit, 8 per fp32 one, z-loss or not; vocabulary-sharded logits stay eager."""
+    cfg = job("none")
+    cfg.train.compile, cfg.train.z_loss_weight = True, 1e-4
+    assert logit_bytes(cfg, ONE) == 4 * 2048 * 1000
+    tp4 = {**ONE, "tp": 4}
+    assert logit_bytes(cfg, tp4) == 20 * 2048 * 250
+    assert logit_bytes(cfg, tp4, Implementation(loss_parallel=False)) == 4 * 2048 * 1000
+    cfg.train.mixed_precision = "fp32"
+    assert logit_bytes(cfg, ONE) == 8 * 2048 * 1000
+    cfg.train.loss = "chunked_cross_entropy"  # eager, one chunk of all 2048 tokens
+    assert logit_bytes(cfg, ONE) == 20 * 2048 * 1000
 
 
 def test_context_parallel_divides_the_tokens_but_keeps_the_whole_keys_and_values():
