@@ -2,13 +2,14 @@
 step normalization set from outside, and the auxiliary-loss-free bias updates."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from kiln.config import ModelConfig, MoEConfig
-from kiln.model.moe import AuxLossScale, MoEFeedForward, update_expert_biases
+from kiln.model.moe import AUX_LOSSES, AuxLossScale, MoEFeedForward, update_expert_biases
 from kiln.model.moe.balancing import load_balance_sum, router_z_sum, sequence_balance_sum
 
 DIM, EXPERTS, TOP_K = 16, 4, 2
@@ -78,7 +79,10 @@ def test_formulas_against_the_papers():
 
 def test_logged_losses_are_the_papers_values_of_the_forward():
     moe, x = make_moe(), batch()
+    # Not recorded and no weight: no loss is computed, nothing is kept.
     moe(x)
+    assert moe.aux_losses == {} and not moe.aux_loss_sums.any()
+    moe(x, AuxLossScale(record=True))
     route = moe.router(x.flatten(0, 1))
     probs = route.scores / route.scores.sum(-1, keepdim=True)
     assert torch.allclose(moe.aux_losses["load_balance"], switch_loss(probs, route.indices))
@@ -87,6 +91,10 @@ def test_logged_losses_are_the_papers_values_of_the_forward():
     )
     assert torch.allclose(moe.aux_losses["router_z"], z_loss(route.logits))
     assert all(not value.requires_grad for value in moe.aux_losses.values())
+    # The step's sums: the recorded training forward's, unnormalized (15 tokens, 3 sequences).
+    own = torch.tensor([15.0, 3.0, 15.0])
+    papers = torch.stack([moe.aux_losses[name] for name in AUX_LOSSES])
+    assert torch.allclose(moe.aux_loss_sums, papers * own)
 
 
 def grads(module) -> dict[str, torch.Tensor]:
@@ -141,6 +149,13 @@ def test_step_normalization_makes_micro_batches_add_up_to_the_whole_batch():
     expected = grads(whole)
     for name, grad in grads(split).items():
         assert close(grad, expected[name]), name
+    # Recording the losses for a logged step leaves the output and the gradient as they are.
+    recorded = make_moe(**WEIGHTS)
+    recording = replace(scale, record=True)
+    for half in (slice(0, 2), slice(2, 4)):
+        (recorded(x[half], recording) * target[half]).sum().backward()
+    assert all(torch.equal(grad, grads(split)[name]) for name, grad in grads(recorded).items())
+    assert recorded.aux_loss_sums.all() and not split.aux_loss_sums.any()
 
 
 def test_scale_multiplies_the_sums():

@@ -12,7 +12,7 @@ from kiln.config import JobConfig, ModelConfig, MoEConfig
 from kiln.model import KVCache, build_model, count_params, flops_per_token, materialize
 from kiln.model import init as tiled
 from kiln.model.feed_forward import FeedForward
-from kiln.model.moe import MoEFeedForward
+from kiln.model.moe import AuxLossScale, MoEFeedForward
 from kiln.parallel.apply import apply_parallelism
 
 MOE = ModelConfig(
@@ -110,7 +110,7 @@ def test_init_std_and_layout_independence():
 
 def test_forward_backward_trains_every_parameter():
     model = materialize(build_model(MOE), device="cpu", seed=0)
-    model(tokens()).logsumexp(-1).mean().backward()
+    model(tokens(), moe_scale=AuxLossScale(record=True)).logsumexp(-1).mean().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     router = model.layers["1"].feed_forward.router

@@ -39,12 +39,16 @@ class AuxLossScale:
     With reduced counts each rank's sum covers its own tokens only: the sums over all ranks
     add up to the loss of the whole micro-batch, and so do the gradients, which the trainer
     sums over the same ranks.
+    record: the forwards keep every loss, weighted or not, for the step's records (the trainer
+    sets it at the steps it logs); False: only the losses with a weight are computed, and only
+    in a forward that builds a gradient.
     """
 
     per_token: float | torch.Tensor | None = None
     per_sequence: float | torch.Tensor | None = None
     reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
     reduce_sequence_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+    record: bool = False
 
 
 def load_balance_sum(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

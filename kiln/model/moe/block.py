@@ -28,14 +28,17 @@ AUX_LOSSES = ("load_balance", "seq_balance", "router_z")
 class MoEFeedForward(nn.Module):
     """out = Σ_k weight_k · expert_k(x) + [sigmoid(shared_gate(x)) ·] shared_experts(x).
 
-    After each forward `aux_losses` holds the detached, unweighted balancing losses of that
-    forward normalized by its own tokens and sequences (the papers' values). The buffer
-    `aux_loss_sums` adds up their unnormalized sums (AUX_LOSSES order) over the training
-    forwards of the step (those `tokens_per_expert` counts), for the step's metrics.
+    A forward computes the balancing losses it needs and no others: those with a weight when it
+    builds a gradient, and all of them when its `scale.record` asks for the step's records.
+    After a recorded forward `aux_losses` holds the detached, unweighted losses of that forward
+    normalized by its own tokens and sequences (the papers' values), and the buffer
+    `aux_loss_sums` adds up their unnormalized sums (AUX_LOSSES order) over the recorded
+    training forwards of the step (those `tokens_per_expert` counts), for the step's metrics.
 
     The forward's `scale` (an `AuxLossScale`, from the training step) normalizes the losses over
     the whole step and sums the expert counts over the ranks holding the step's other tokens;
-    without it each forward normalizes by its own tokens (one process, no step).
+    without it each forward normalizes by its own tokens (one process, no step) and records
+    nothing.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -82,55 +85,74 @@ class MoEFeedForward(nn.Module):
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
             out = out + shared.view_as(x)
         aux_loss = self._aux_loss(route, x.shape, scale)
-        if aux_loss is not None and torch.is_grad_enabled():
+        if aux_loss is not None:
             out = attach_aux_loss(out, aux_loss)
         return out
 
     def _aux_loss(
         self, route: RouterOutput, shape: torch.Size, scale: AuxLossScale
     ) -> torch.Tensor | None:
-        """The weighted, step-normalized total of the enabled losses; records all of them."""
-        sums = self._loss_sums(route, scale, sequences=shape[0])
+        """The weighted, step-normalized total of the losses with a weight, in a forward that
+        builds a gradient (else None); with `scale.record`, every loss is kept for the records.
+        A loss neither weighted nor recorded is not computed at all."""
+        grad = torch.is_grad_enabled()
+        weighted = [name for name in AUX_LOSSES if grad and self.aux_weights[name] > 0]
+        names = AUX_LOSSES if scale.record else weighted
+        if not names:
+            return None
+        sums = self._loss_sums(route, scale, names, sequences=shape[0])
         tokens, sequences = route.indices.shape[0], shape[0]
         own = {"load_balance": tokens, "seq_balance": sequences, "router_z": tokens}
-        self.aux_losses = {name: value.detach() / own[name] for name, value in sums.items()}
-        if is_training_forward():
-            self.aux_loss_sums += torch.stack([sums[name].detach() for name in AUX_LOSSES])
+        if scale.record:
+            self.aux_losses = {name: value.detach() / own[name] for name, value in sums.items()}
+            if is_training_forward():
+                self.aux_loss_sums += torch.stack([sums[name].detach() for name in AUX_LOSSES])
         given = {
             "load_balance": scale.per_token,
             "seq_balance": scale.per_sequence,
             "router_z": scale.per_token,
         }
         terms = [
-            weight * sums[name] * (given[name] if given[name] is not None else 1.0 / own[name])
-            for name, weight in self.aux_weights.items()
-            if weight > 0
+            self.aux_weights[name]
+            * sums[name]
+            * (given[name] if given[name] is not None else 1.0 / own[name])
+            for name in weighted
         ]
         return sum(terms[1:], terms[0]) if terms else None
 
     def _loss_sums(
-        self, route: RouterOutput, scale: AuxLossScale, *, sequences: int
+        self,
+        route: RouterOutput,
+        scale: AuxLossScale,
+        names: tuple[str, ...] | list[str],
+        *,
+        sequences: int,
     ) -> dict[str, torch.Tensor]:
-        probs = normalized_scores(route.scores)
-        counts = route.counts
-        reduce_counts = self._count_reduction(scale.reduce_counts)
-        if reduce_counts is not None:
-            counts = reduce_counts(counts)
-        experts, top_k = probs.shape[-1], route.indices.shape[-1]
-        return {
-            "load_balance": load_balance_sum(probs, counts),
-            "seq_balance": sequence_balance_sum(
+        """The unnormalized sums of the losses `names`, and only those."""
+        sums = {}
+        if "load_balance" in names or "seq_balance" in names:
+            probs = normalized_scores(route.scores)
+        if "load_balance" in names:
+            counts = route.counts
+            reduce_counts = self._count_reduction(scale.reduce_counts)
+            if reduce_counts is not None:
+                counts = reduce_counts(counts)
+            sums["load_balance"] = load_balance_sum(probs, counts)
+        if "seq_balance" in names:
+            experts, top_k = probs.shape[-1], route.indices.shape[-1]
+            sums["seq_balance"] = sequence_balance_sum(
                 probs.view(sequences, -1, experts),
                 route.indices.view(sequences, -1, top_k),
                 self._count_reduction(scale.reduce_sequence_counts),
-            ),
-            "router_z": router_z_sum(route.logits),
-        }
+            )
+        if "router_z" in names:
+            sums["router_z"] = router_z_sum(route.logits)
+        return sums
 
     def _count_reduction(self, reduce: Callable | None) -> Callable | None:
         # Counts over a larger group cost a collective: only in a forward that trains (every rank
         # of the group runs the same training forwards, in one order). Also for a loss whose
-        # weight is off: its logged value must not depend on the layout either.
+        # weight is off when it is recorded: its logged value must not depend on the layout.
         return reduce if torch.is_grad_enabled() else None
 
     def init_buffers(self) -> None:

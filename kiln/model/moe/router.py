@@ -63,7 +63,8 @@ class Router(nn.Module):
         weights = scores.gather(-1, indices)
         if self.route_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights * self.route_scale
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         counts = count_values(indices, self.num_experts)
         if is_training_forward():
             self.tokens_per_expert += counts
