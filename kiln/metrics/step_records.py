@@ -44,6 +44,19 @@ class StepWindow:
         return self.tokens / (time.perf_counter() - self.start)
 
 
+def log_due(cfg: JobConfig, step: int) -> bool:
+    """Whether `step` is logged: every metrics.log_interval steps, the first, the last
+    (train.max_steps) and the steps that evaluate."""
+    interval, last = cfg.metrics.log_interval, cfg.train.max_steps
+    return step % interval == 0 or step in (1, last) or eval_due(cfg, step)
+
+
+def eval_due(cfg: JobConfig, step: int) -> bool:
+    """Whether the held-out loss or the harness's tasks are evaluated at `step`."""
+    intervals = (cfg.eval.interval, cfg.eval.effective_tasks_interval)
+    return any(every and step % every == 0 for every in intervals)
+
+
 class StepLog:
     """Which steps are logged (every `log_interval`, the first, the last, and eval steps), and
     their records: loss, throughput and MFU over the window since the previous log line."""
@@ -67,9 +80,7 @@ class StepLog:
             jsonl=cfg.metrics.jsonl and is_main,
             backends=backends,
         )
-        self.log_interval, self.eval_interval = cfg.metrics.log_interval, cfg.eval.interval
-        self.tasks_interval = cfg.eval.effective_tasks_interval
-        self.max_steps = train.max_steps
+        self.cfg = cfg
         self.flops_per_token = flops_per_token(cfg.model, train.seq_len)
         self.peak_flops = peak_flops(device)
         self.num_devices, self.device = num_devices, device
@@ -93,13 +104,11 @@ class StepLog:
         self.window.add(loss, tokens)
 
     def due(self, step: int) -> bool:
-        return step % self.log_interval == 0 or step in (1, self.max_steps) or self.eval_due(step)
+        return log_due(self.cfg, step)
 
     def eval_due(self, step: int) -> bool:
         """The held-out loss or the harness's tasks are evaluated at `step`."""
-        return any(
-            every and step % every == 0 for every in (self.eval_interval, self.tasks_interval)
-        )
+        return eval_due(self.cfg, step)
 
     def record(
         self, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens_seen: int

@@ -54,6 +54,10 @@ class MoEBalancing(StepHook):
         self.says_idle = self.token_group is None or dist.get_rank(self.token_group) == 0
         self.step: MoEStep | None = None
         self.scale: AuxLossScale | None = None
+        self.logged = True
+
+    def start_step(self, *, logged: bool) -> None:
+        self.logged = logged
 
     def before_step(
         self, batch: StepBatch, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -65,7 +69,8 @@ class MoEBalancing(StepHook):
         over the data ranks and the tp ranks, which hold its other tokens. It then equals one
         process's on the same micro-batches (same batch_size × data ranks and grad_accum_steps;
         under pipeline parallel one process whose micro-batches are the pipeline's). The
-        sequence-wise loss counts whole sequences: summed over the cp and tp ranks."""
+        sequence-wise loss counts whole sequences: summed over the cp and tp ranks. Only a logged
+        step computes the losses without a weight, for its records."""
         tokens = sum(inputs.numel() for inputs, _ in micro_batches) * self.data_ranks
         sequences = sum(inputs.shape[0] for inputs, _ in micro_batches) * self.data_ranks
         self.scale = AuxLossScale(
@@ -73,6 +78,7 @@ class MoEBalancing(StepHook):
             per_sequence=self.grad_scale / sequences,
             reduce_counts=_sum_over(self.token_group),
             reduce_sequence_counts=_sum_over(self.sequence_group),
+            record=self.logged,
         )
         self.step = MoEStep(None, None, tokens=tokens, sequences=sequences)
 

@@ -20,6 +20,7 @@ from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
 from kiln.metrics.param_norms import ParamGradNorms, param_grad_norms
+from kiln.metrics.step_records import log_due
 from kiln.model.document_mask import document_ids
 from kiln.model.forward_args import LossScale
 from kiln.parallel.agree import any_rank
@@ -126,7 +127,9 @@ class TrainStep:
         read = [
             (to_device(x, self.device), to_device(y, self.device)) for x, y in batch.micro_batches
         ]
+        logged = log_due(self.cfg, step)
         for hook in self.hooks:
+            hook.start_step(logged=logged)
             hook.before_step(batch, read)
         micro_batches = [self._prepare(inputs, labels, training=True) for inputs, labels in read]
         # This rank's valid tokens, summed over the ranks holding the others (data and cp);

@@ -18,6 +18,9 @@ class StepHook:
     # Whether the loss must be kept per sequence (not summed) for `after_backward`.
     needs_row_losses = False
 
+    def start_step(self, *, logged: bool) -> None:
+        """First of all: whether the step is logged (its `records` will be asked for)."""
+
     def before_step(
         self, batch: StepBatch, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kiln.config import load_config
+from kiln.train.moe_step import MoEBalancing
 from kiln.train.trainer import Trainer
 from tests.conftest import REPO
 
@@ -40,11 +41,16 @@ def test_micro_batches_train_like_one_batch(debug_overrides, tmp_path):
         "--train.batch_size=2",
         "--train.grad_accum_steps=2",
     )
-    for _ in range(3):
+    (balancing,) = [hook for hook in whole.step_fn.hooks if isinstance(hook, MoEBalancing)]
+    for step in (1, 2, 3):
         loss_a, norm_a, *_ = whole.train_step()
         loss_b, norm_b, *_ = split.train_step()
         assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-5)
         assert norm_b.item() == pytest.approx(norm_a.item(), rel=1e-5)
+        # debug_moe logs step 1 (and every 5th): only a logged step's forwards compute every
+        # balancing loss for the records, the others only the weighted one, and keep none.
+        sums = balancing.step.aux_loss_sums
+        assert bool(sums.all()) if step == 1 else not sums.any()
     biases = expert_biases(whole)
     assert any(b.abs().sum() > 0 for b in biases)
     for a, b in zip(biases, expert_biases(split), strict=True):
