@@ -73,9 +73,13 @@ class Chosen:
 
 def choose_checkpoint(path: Location | str) -> Chosen:
     """Resolve and judge `path` (see layout.resolve_checkpoint) and read what loading it needs."""
-    path = layout.resolve_checkpoint(path)
-    manifest = layout.read_manifest(path)
-    return Chosen(path, read_train_state(path), None if manifest is None else frozenset(manifest))
+    try:
+        path = layout.resolve_checkpoint(path)
+        manifest = layout.read_manifest(path)
+        state = read_train_state(path)
+    except OSError as error:  # a KilnError like the others: every rank reports it the same way
+        raise KilnError(f"cannot read the checkpoint {path}: {error}") from None
+    return Chosen(path, state, None if manifest is None else frozenset(manifest))
 
 
 def load_checkpoint(

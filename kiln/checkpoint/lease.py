@@ -34,6 +34,8 @@ HEARTBEAT_S = 30.0
 EXPIRES_S = 120.0
 # How often a run waiting for another's lease looks again.
 _POLL_S = 2.0
+# This process, told apart from another with the same host name and pid (containers).
+_PROCESS = uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,14 @@ class Owner:
     pid: int
     run_dir: str
     heartbeat: float  # wall-clock time of the holder's last renewal
+    process: str = ""  # the holder's process, as _PROCESS
 
     def expired(self) -> bool:
         """Not renewed for EXPIRES_S: its run died without releasing it."""
         return time.time() - self.heartbeat > EXPIRES_S
 
     def is_this_process(self) -> bool:
-        return (self.host, self.pid) == (socket.gethostname(), os.getpid())
+        return self.process == _PROCESS
 
     def describe(self) -> str:
         age = max(0.0, time.time() - self.heartbeat)
@@ -61,13 +64,13 @@ class Owner:
         )
 
 
-def run_identity(*, fault_tolerant_dir: str | None) -> str:
+def run_identity(*, fault_tolerant: str | None) -> str:
     """This invocation's identity. A torchrun job's restarts share its rendezvous id (the launcher
     has stopped every worker of the failed attempt); a SLURM requeue counts as a new run, since
-    its predecessor may still be finishing. The replica groups of a fault-tolerant run share the
-    location they all write (`fault_tolerant_dir`)."""
-    if fault_tolerant_dir is not None:
-        return f"fault-tolerant:{fault_tolerant_dir}"
+    its predecessor may still be finishing. The replica groups of a fault-tolerant run share one
+    (`fault_tolerant`: what they have in common, the location and the lighthouse)."""
+    if fault_tolerant is not None:
+        return f"fault-tolerant:{fault_tolerant}"
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if elastic != "none":
         requeue = os.environ.get("SLURM_RESTART_COUNT")
@@ -82,6 +85,10 @@ class Lease:
         self.root, self.file, self.store = root, root / OWNER, store_for(root)
         self.run, self.run_dir = run, run_dir
         self.created = missing_folders(root)  # removed again if the run leaves them empty
+        # Renewal (a background thread) and release exclude each other: a renewal after the
+        # release would write the OWNER file back.
+        self._lock = threading.Lock()
+        self._released = False
 
     def take(self, *, wait_s: float) -> None:
         """Hold `root`, waiting up to `wait_s` for another live run to release it."""
@@ -96,10 +103,11 @@ class Lease:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ConfigError(
-                    f"checkpoint.dir {self.root} is in use by {held.describe()}. Two runs "
-                    "writing one checkpoint location would delete each other's saves: wait "
-                    "for it to end (or raise checkpoint.owner_wait_s), or give this run its "
-                    f"own checkpoint.dir. If that run is dead, delete {self.file}"
+                    f"checkpoint.dir {self.root} is in use by {held.describe()}; waited "
+                    f"{wait_s:.0f} s. Two runs writing one checkpoint location would delete "
+                    "each other's saves: wait for it to end (checkpoint.owner_wait_s, at most "
+                    "80% of resilience.collective_timeout_s), or give this run its own "
+                    f"checkpoint.dir. If that run is dead, delete {self.file}"
                 )
             if not told:
                 warn(f"{self.root} is held by {held.describe()}; waiting up to {wait_s:.0f} s")
@@ -123,30 +131,50 @@ class Lease:
             return None
 
     def _write(self) -> None:
-        me = Owner(self.run, socket.gethostname(), os.getpid(), self.run_dir, time.time())
-        self.store.write_own(self.file, (json.dumps(asdict(me)) + "\n").encode())
+        me = Owner(self.run, socket.gethostname(), os.getpid(), self.run_dir, time.time(), _PROCESS)
+        text = (json.dumps(asdict(me)) + "\n").encode()
+        for attempt in range(3):  # another job's start-up clean-up may remove a new folder
+            try:
+                self.store.write_own(self.file, text)
+                return
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+
+    def check_held(self) -> None:
+        """Raise an OSError (a failed save on every rank) when another run took the location
+        over: this one stalled past EXPIRES_S, and writing on would delete the other's saves."""
+        held = self.holder()
+        if held is not None and held.run != self.run:
+            raise OSError(
+                f"checkpoint.dir {self.root} was taken over by {held.describe()} while this run "
+                "did not renew its lease; this run stops writing there"
+            )
 
     def renew(self) -> bool:
         """Write a fresh heartbeat; False when the lease is no longer this run's to renew."""
-        if not self.store.exists(self.root):
-            return False  # the location was deleted: nothing left to hold
-        held = self.holder()
-        if held is not None and held.run != self.run:
-            warn(f"{self.root} was taken over by {held.describe()}; no longer renewing")
-            return False
-        self._write()
-        return True
+        with self._lock:
+            if self._released or not self.store.exists(self.root):
+                return False  # released, or the location was deleted: nothing left to hold
+            held = self.holder()
+            if held is not None and held.run != self.run:
+                warn(f"{self.root} was taken over by {held.describe()}; no longer renewing")
+                return False
+            self._write()
+            return True
 
     def release(self) -> None:
         """Stop renewing and remove the OWNER file if it is still this run's."""
         with _LOCK:
             if _HELD.get(str(self.root)) is self:
                 del _HELD[str(self.root)]
-        held = self.holder()
-        if held is not None and held.run == self.run and held.is_this_process():
-            with contextlib.suppress(OSError):  # else it expires on its own
-                self.store.remove_file(self.file)
-        remove_if_empty(self.created)
+        with self._lock:
+            self._released = True
+            held = self.holder()
+            if held is not None and held.run == self.run and held.is_this_process():
+                with contextlib.suppress(OSError):  # else it expires on its own
+                    self.store.remove_file(self.file)
+            remove_if_empty(self.created)
 
 
 # The leases this process holds, by location, and the one thread that renews them all.

@@ -11,6 +11,7 @@ rank 0 does not, and the two would wait for each other in a collective until the
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.run_dir = str(Path(cfg.metrics.run_dir).absolute())
         self.fault_tolerant = cfg.fault_tolerance.enabled
+        self.lighthouse = cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self.lease: Lease | None = None
 
     def check_sources(self) -> None:
@@ -216,11 +218,6 @@ class CheckpointManager:
         """Before anything is written: the location is writable, one filesystem for every node
         (a local path), and this run's alone (its lease, kiln/checkpoint/lease.py)."""
         self.probe_writable()
-        if self.will_save:
-            check_one_filesystem(self.dir)
-            # The other ranks wait for the lease in a collective: its timeout bounds the wait.
-            wait_s = min(self.cfg.owner_wait_s, 0.8 * collective_timeout_s)
-            decide_on_main(lambda: self._take_lease(wait_s), what="take the checkpoint location")
         self.saver = CheckpointSaver(
             self.dir,
             keep_last_n=self.cfg.keep_last_n,
@@ -228,6 +225,11 @@ class CheckpointManager:
             device=self.device,
             timeout_s=collective_timeout_s,
         )
+        if self.will_save:
+            check_one_filesystem(self.dir)
+            # The other ranks wait for the lease in a collective: its timeout bounds the wait.
+            wait_s = min(self.cfg.owner_wait_s, 0.8 * collective_timeout_s)
+            decide_on_main(lambda: self._take_lease(wait_s), what="take the checkpoint location")
 
     def holder(self) -> str | None:
         """Which live run holds the checkpoint location now, for `kiln check` (None: none)."""
@@ -237,10 +239,11 @@ class CheckpointManager:
         return f"{held.describe()}; kiln train waits up to checkpoint.owner_wait_s for it"
 
     def _take_lease(self, wait_s: float) -> None:
-        shared = str(self.dir) if self.fault_tolerant else None
-        lease = Lease(self.dir, run=run_identity(fault_tolerant_dir=shared), run_dir=self.run_dir)
+        shared = f"{self.dir} via {self.lighthouse}" if self.fault_tolerant else None
+        lease = Lease(self.dir, run=run_identity(fault_tolerant=shared), run_dir=self.run_dir)
         lease.take(wait_s=wait_s)
         self.lease = lease
+        self.saver.still_owned = lease.check_held
 
     def save(self, step: int, **state: Any) -> None:
         """Checkpoint `step` (in the background with checkpoint.async_mode = "async", after
@@ -291,8 +294,12 @@ class CheckpointManager:
     def commit_finished_save(self, *, after_step: int) -> None:
         """After a failure, with no collective (a peer may be gone): commit the save in flight
         if every rank's part of it is written (see CheckpointSaver.commit_if_finished)."""
-        if self.saver is not None:
+        if self.saver is None:
+            return
+        try:
             self._committed(self.saver.commit_if_finished(after_step=after_step))
+        except Exception as error:  # the failure being handled is the one to report
+            warn(f"the save in flight was not committed: {error}")
 
     def close(self, *, after_step: int) -> None:
         """Collective: commit the save in flight, release the saver and the location's lease."""

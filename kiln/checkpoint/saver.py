@@ -25,6 +25,7 @@ import io
 import json
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from kiln.checkpoint.state import (
 from kiln.checkpoint.store import Location, location, store_for
 from kiln.config import JobConfig, to_toml
 from kiln.errors import KilnError, first_line
+from kiln.log import warn
 from kiln.parallel.agree import raise_any_failure
 
 SaveMode = Literal["sync", "async"]
@@ -92,8 +94,11 @@ class CheckpointSaver:
         self.keep_last_n = keep_last_n
         self.in_flight: _InFlight | None = None
         # The newest intact checkpoint, for messages: the resume point, then each commit. Kept
-        # here, the same on every rank, so an error on any rank names it without a listing.
+        # here, so an error on any rank names it without a listing.
         self.newest: Location | None = None
+        # Raises an OSError when another run took the location over (the run's lease, set by
+        # CheckpointManager on rank 0): checked before a save writes and before it commits.
+        self.still_owned: Callable[[], None] = lambda: None
         # Wall time of the last save from its start until written (the background part too).
         self.last_seconds = 0.0
         self._group = self._stager = None
@@ -200,10 +205,12 @@ class CheckpointSaver:
     def stop_seconds(self) -> float:
         """What saving costs a stop now: the rest of the save in flight (estimated as long as
         the last save, from its start), then a save of the step."""
-        rest = 0.0
-        if self.in_flight is not None and not self.in_flight.future.done():
-            rest = max(0.0, self.last_seconds - (time.monotonic() - self.in_flight.started))
-        return rest + self.last_seconds
+        if self.in_flight is None or self.in_flight.future.done():
+            return self.last_seconds
+        # The first save has no earlier one to go by: its own time so far is a lower bound.
+        elapsed = time.monotonic() - self.in_flight.started
+        save = max(self.last_seconds, elapsed)
+        return save - elapsed + save
 
     def commit_if_finished(self, *, after_step: int) -> SaveRecord | None:
         """Without any collective, after a failure: commit the save in flight on rank 0 if DCP
@@ -216,8 +223,9 @@ class CheckpointSaver:
         try:
             written = in_flight.own_files + _dcp_files(in_flight.future.result())
             self._commit(in_flight.step, written)
-        except (Exception, CheckpointException):
-            return None  # nothing committed: the previous checkpoint stays the newest
+        except (Exception, CheckpointException) as error:
+            warn(f"the save of step {in_flight.step} was not committed: {first_line(error)}")
+            return None  # the previous checkpoint stays the newest
         self.last_seconds = (in_flight.finished or time.monotonic()) - in_flight.started
         self.newest = layout.step_dir(self.root, in_flight.step)
         return SaveRecord(
@@ -241,6 +249,7 @@ class CheckpointSaver:
         train_state: dict[str, Any],
         tokenizer_path: Path | None,
     ) -> None:
+        self.still_owned()
         layout.remove_partials(self.root)
         # In an object store the staging prefix is the step's own: a checkpoint of the same step
         # written before (a run continued from an earlier one) is replaced, marker first.
@@ -257,7 +266,9 @@ class CheckpointSaver:
         self.store.write_own(partial / "rng" / f"rank_{rank():05d}.pt", buffer.getvalue())
 
     def _commit(self, step: int, written: list[str]) -> None:
+        self.still_owned()
         final = layout.commit(self.root, step, written=written)
+        self.newest = final  # rank 0 knows at once, even if a peer fails the agreement after
         # Retention is best effort (on disk an rmtree that ignores errors): failing to delete an
         # old step must not undo the commit just made, which _attempt would on an OSError.
         with contextlib.suppress(OSError):

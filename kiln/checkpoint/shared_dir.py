@@ -61,6 +61,7 @@ def check_one_filesystem(root: Location) -> None:
     if writes:
         store.remove_file(token)
         remove_if_empty(created)
+    raise_any_failure(None)  # every node's clean-up is done before rank 0 writes there again
     if missing:
         named = ", ".join(f"rank {r} on {host}" for r, host in missing[:4])
         raise ConfigError(

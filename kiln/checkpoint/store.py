@@ -167,10 +167,11 @@ class LocalStore:
         path.write_bytes(data)
 
     def write_own(self, path: Location, data: bytes) -> None:
-        """Write and fsync a file by its writer: on a shared filesystem another node's fsync may
-        not reach it."""
-        self.write_bytes(path, data)
-        sync_path(Path(path))
+        """Write and fsync a file by its writer (on a shared filesystem another node's fsync may
+        not reach it), replacing it whole: a reader sees the old or the new, never a part."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _replace_synced(path, data)
 
     def remove(self, path: Location) -> None:
         shutil.rmtree(path, ignore_errors=True)
@@ -254,10 +255,10 @@ def sync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _replace_synced(path: Path, text: str) -> None:
+def _replace_synced(path: Path, text: str | bytes) -> None:
     """Replace `path` by a synced file holding `text`: readers see the old or the new, whole."""
-    tmp = path.parent / f".{path.name}.tmp"
-    with open(tmp, "w") as file:
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"  # two processes may replace one file
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as file:
         file.write(text)
         file.flush()
         os.fsync(file.fileno())

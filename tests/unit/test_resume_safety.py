@@ -239,3 +239,22 @@ def test_rollback_and_retention_pass_over_the_damaged_checkpoint_a_resume_skippe
     kept = sorted(p.name for p in saved_at_2_and_4.glob("step_*"))
     assert kept == ["step_00000003", "step_00000004", "step_00000006"]
     assert resume_candidates(saved_at_2_and_4)[0] == saved_at_2_and_4 / "step_00000006"
+
+
+def test_a_run_whose_location_was_taken_over_stops_writing(debug_overrides, tmp_path):
+    """A run that stalled past its lease's expiry finds another run holding its location: its
+    next save stops before writing anything, naming the new owner."""
+    trainer = _trainer(debug_overrides, "--train.max_steps=8")
+    trainer.train_step()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    newcomer = {
+        "run": "newcomer",
+        "host": "elsewhere",
+        "pid": 7,
+        "run_dir": "/r",
+        "heartbeat": 1e12,
+    }
+    (checkpoints / "OWNER").write_text(json.dumps(newcomer))
+    with pytest.raises(KilnError, match="was taken over by run newcomer"):
+        trainer.save()
+    assert not list(checkpoints.glob("*step_*"))  # nothing written, nothing removed
