@@ -1,4 +1,6 @@
-"""Per-block torch.compile (docs/architecture.md, "The apply order").
+"""Per-block torch.compile (docs/architecture.md, "The apply order"). The loss is compiled on
+its own, outside the model (kiln/train/loss.py); the embedding, final norm and head between them
+stay eager (one op or one GEMM each: benchmarks/overhead.md, "Compile scope").
 
 Each block is compiled on its own, after tensor/context parallel and activation checkpointing
 have wrapped it and before FSDP shards it, so every block of a kind shares one compiled graph
