@@ -7,10 +7,9 @@ Each arm is `Trainer.train()` as `kiln train` runs it (one process, the demo cor
 wraps `Trainer.train_step`; kiln is not changed), so the interval after a save's step holds what
 the save blocked plus the next step's compute, while an async write runs beside it. The
 `checkpoint` events of `events.jsonl` give each save's blocked and write time and the step after
-which it was committed. The `async_process` arm is kiln's async save with DCP's process-based
-writer (`AsyncCheckpointerType.PROCESS`, staging in shared memory so the pipe carries handles,
-not bytes), patched in by the benchmark; it needs a process group, so with it every arm runs in
-a one-rank gloo world. The fsync arm times `layout.commit` (rank 0's commit: fsyncs, marker,
+which it was committed. The `async_process` arm (`checkpoint.async_mode = "async_process"`: DCP's
+writer in a process of its own, fed through shared memory) needs a process group, so with it
+every arm runs in a one-rank gloo world. The fsync arm times `layout.commit` (rank 0's commit: fsyncs, marker,
 rename, `latest`) with the fsyncs and, in the same run, with them replaced by a no-op.
 
     OMP_NUM_THREADS=2 python benchmarks/checkpoint_loop.py --preset debug --steps 24 --interval 4
@@ -21,8 +20,6 @@ rename, `latest`) with the fsyncs and, in the same run, with them replaced by a 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import os
 import socket
@@ -31,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from kiln.checkpoint import layout, saver, store
 from kiln.config import load_config
@@ -43,9 +40,8 @@ from kiln.train.trainer import Trainer
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "debug.toml"
 
 
-def run_arm(args, data: Path, run_dir: Path, mode: str) -> dict:
-    """Train with saves in `mode`; per-step intervals and the checkpoint events."""
-    overrides = [
+def overrides_for(args, data: Path, run_dir: Path, mode: str) -> list[str]:
+    return [
         f"--model.preset={args.preset}",
         f"--data.path={data}",
         f"--metrics.run_dir={run_dir}",
@@ -57,37 +53,59 @@ def run_arm(args, data: Path, run_dir: Path, mode: str) -> dict:
         "--scheduler.warmup_steps=1",
         f"--checkpoint.interval={args.interval}",
         "--checkpoint.keep_last_n=2",
-        f"--checkpoint.async_mode='{'disabled' if mode == 'sync' else 'async'}'",
+        f"--checkpoint.async_mode='{'disabled' if mode == 'sync' else mode}'",
     ]
+
+
+def run_arm(args, data: Path, run_dir: Path, mode: str) -> dict:
+    """Train with saves in `mode`; per-step intervals and the checkpoint events."""
+    overrides = overrides_for(args, data, run_dir, mode)
     ends: list[float] = []
-    with process_based() if mode == "async_process" else contextlib.nullcontext():
-        trainer = Trainer(load_config(RECIPE, overrides, world_size=1))
-        real_step = trainer.train_step
+    trainer = Trainer(load_config(RECIPE, overrides, world_size=1))
+    real_step = trainer.train_step
 
-        def timed_step(**flags):
-            result = real_step(**flags)
-            ends.append(time.perf_counter())
-            return result
+    def timed_step(**flags):
+        result = real_step(**flags)
+        ends.append(time.perf_counter())
+        return result
 
-        trainer.train_step = timed_step
-        trainer.train()
+    trainer.train_step = timed_step
+    trainer.train()
     intervals = {step: ends[step - 1] - ends[step - 2] for step in range(2, len(ends) + 1)}
     events = [e for e in read_events(run_dir) if e["event"] == "checkpoint"]
     return {"intervals": intervals, "events": events}
 
 
-@contextlib.contextmanager
-def process_based():
-    """kiln's async save with DCP's process-based writer and shared-memory staging."""
-    real_save, real_options = saver.dcp.async_save, saver.StagingOptions
-    saver.dcp.async_save = functools.partial(
-        real_save, async_checkpointer_type=AsyncCheckpointerType.PROCESS
-    )
-    saver.StagingOptions = lambda **options: real_options(**{**options, "use_shared_memory": True})
-    try:
-        yield
-    finally:
-        saver.dcp.async_save, saver.StagingOptions = real_save, real_options
+def dispatch_probe(args, data: Path, run_dir: Path, mode: str) -> dict:
+    """The host side of a GPU step, alone on its core: how fast the training thread dispatches
+    tiny ops (the launch work of a step whose kernels run on the device) before and while a
+    background save of the model's state is written. A warm-up save first starts DCP's writer
+    process (process mode) and allocates the staging buffer."""
+    trainer = Trainer(load_config(RECIPE, overrides_for(args, data, run_dir, mode), world_size=1))
+    x = torch.zeros(16)
+
+    def chunk_s() -> float:
+        started = time.perf_counter()
+        for _ in range(2000):
+            x.add_(1.0)
+        return time.perf_counter() - started
+
+    trainer.save()
+    trainer.checkpoints.finish_save(after_step=trainer.step)
+    before = [chunk_s() for _ in range(100)]
+    trainer.step += 1
+    trainer.save()
+    started, beside = time.perf_counter(), []
+    while not trainer.checkpoints.written_locally():
+        beside.append(chunk_s())
+    written = time.perf_counter() - started
+    trainer.checkpoints.finish_save(after_step=trainer.step)
+    trainer.checkpoints.saver.close(after_step=trainer.step)
+    return {
+        "dispatch_us_before": statistics.median(before) / 2000 * 1e6,
+        "dispatch_us_beside_write": statistics.median(beside) / 2000 * 1e6 if beside else None,
+        "probe_write_s": written,
+    }
 
 
 def one_rank_world() -> None:
@@ -161,6 +179,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each arm, alternating")
     parser.add_argument("--modes", default="sync,async", help="arms: sync, async, async_process")
     parser.add_argument("--no-commit", action="store_true", help="skip the fsync arm")
+    parser.add_argument("--probe", action="store_true", help="dispatch probe, no training arms")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if "async_process" in modes:
@@ -171,13 +190,18 @@ def main() -> None:
         results: dict[str, list[dict]] = {mode: [] for mode in modes}
         for round_ in range(args.rounds):
             for mode in modes if round_ % 2 == 0 else modes[::-1]:
-                arm = run_arm(args, data, root / f"{mode}_{round_}", mode)
+                run_dir = root / f"{mode}_{round_}"
+                if args.probe:
+                    results[mode].append(dispatch_probe(args, data, run_dir, mode))
+                    continue
+                arm = run_arm(args, data, run_dir, mode)
                 results[mode].append(summarize(arm, args.interval, args.steps))
         report = {
             mode: {key: median_or_none([r[key] for r in rounds]) for key in rounds[0]}
+            | {"rounds": rounds}
             for mode, rounds in results.items()
         }
-        if not args.no_commit:
+        if not (args.no_commit or args.probe):
             report["commit"] = commit_cost(args, data, root)
     print(json.dumps({"args": vars(args), **report}, indent=1))
 

@@ -1,4 +1,5 @@
-"""Write checkpoints, synchronously or in the background (`checkpoint.async_mode = "async"`).
+"""Write checkpoints, synchronously or in the background (`checkpoint.async_mode = "async"`:
+DCP's writer in a thread of the training process; `"async_process"`: in a process of its own).
 
 A save goes through three phases, each agreed by every rank so that a failure on one rank (a
 full disk, a directory that cannot be written) stops all of them with the same message instead
@@ -7,8 +8,9 @@ of leaving the others waiting:
 1. rank 0 clears what an interrupted save left, writes the small files into the save's staging
    folder (a hidden partial folder on a filesystem, the step's own prefix in an object store);
    every rank writes its RNG;
-2. DCP writes the sharded model and optimizer state (in a background thread when async, after
-   the state has been copied to CPU memory, pinned on GPU machines: all the training loop waits for);
+2. DCP writes the sharded model and optimizer state (in a background thread or process when
+   async, after the state has been copied to CPU memory, pinned on GPU machines, shared with the
+   writer process in process mode: all the training loop waits for);
 3. rank 0 commits: the marker with the file manifest, `latest`, retention (`layout.commit`; on a
    filesystem every file and folder is fsynced and the folder renamed into place first).
 
@@ -37,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from kiln.checkpoint import layout
 from kiln.checkpoint.state import (
@@ -50,7 +53,7 @@ from kiln.checkpoint.state import (
 )
 from kiln.checkpoint.store import Location, location, store_for
 from kiln.config import JobConfig, to_toml
-from kiln.errors import KilnError, first_line
+from kiln.errors import ConfigError, KilnError, first_line
 from kiln.log import warn
 from kiln.parallel.agree import raise_any_failure
 
@@ -102,8 +105,20 @@ class CheckpointSaver:
         # Wall time of the last save from its start until written (the background part too).
         self.last_seconds = 0.0
         self._group = self._stager = None
-        if async_mode == "async":
+        self._writer = AsyncCheckpointerType.THREAD
+        if async_mode in ("async", "async_process"):
             on_gpu = device is not None and device.type == "cuda"
+            in_process = async_mode == "async_process"
+            if in_process and not distributed():
+                # DCP's writer process joins the training processes' group to find its peers.
+                raise ConfigError(
+                    'checkpoint.async_mode = "async_process" needs a job of several processes '
+                    '(torchrun); in one process use "async"'
+                )
+            if in_process:
+                # Its own interpreter: the writer's Python work (DCP's planning, torch.save of
+                # each tensor) no longer takes the GIL from the loop that launches the steps.
+                self._writer = AsyncCheckpointerType.PROCESS
             # The background thread runs DCP's collectives; on the training group they would
             # interleave with the training loop's, so it gets a CPU group of its own, bounded
             # like the training group's (resilience.collective_timeout_s), not by torch's 30 min.
@@ -115,7 +130,8 @@ class CheckpointSaver:
             self._stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=on_gpu,
-                    use_shared_memory=False,
+                    # Shared, the staged state reaches the writer process as handles, not copies.
+                    use_shared_memory=in_process,
                     use_async_staging=False,
                     use_non_blocking_copy=on_gpu,
                 )
@@ -151,6 +167,7 @@ class CheckpointSaver:
                     state,
                     storage_writer=self.store.writer(partial),
                     process_group=self._group,
+                    async_checkpointer_type=self._writer,
                     async_stager=self._stager,
                     no_dist=not distributed(),
                 )

@@ -41,7 +41,7 @@ def fault_tolerance_problems(cfg: JobConfig) -> list[str]:
             p.append(f"fault_tolerance.{key} must be > 0 seconds, got {getattr(ft, key)}")
     if ft.max_failed_steps < 1:
         p.append(f"fault_tolerance.max_failed_steps must be >= 1, got {ft.max_failed_steps}")
-    if cfg.checkpoint.async_mode == "async":
+    if cfg.checkpoint.async_mode != "disabled":
         p.append(
             "fault_tolerance.enabled saves checkpoints synchronously only: the group that writes "
             "them can change between steps (a group that rejoins may take over), and a new "
