@@ -268,3 +268,9 @@ def test_two_jobs_probing_one_new_folder_both_find_it_writable(tmp_path):
     assert reported == [None, None]  # each job's end, with no failure before it
     # No probe is left; a new folder may be (the other job's probe was in it at its clean-up).
     assert not list(tmp_path.rglob(".write_test*"))
+
+
+def test_async_process_in_one_process_says_to_use_async(tmp_path):
+    # DCP's writer process finds its peers through the job's process group: one process has none.
+    with pytest.raises(KilnError, match=r'needs a job of several processes.*use "async"'):
+        kiln.checkpoint.saver.CheckpointSaver(tmp_path, async_mode="async_process")
