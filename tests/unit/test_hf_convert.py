@@ -418,30 +418,6 @@ def test_dense_qk_norm_model_exports_as_qwen3(tmp_path):
     assert (config["architectures"], config["model_type"]) == (["Qwen3ForCausalLM"], "qwen3")
 
 
-def test_sampling_is_seeded_and_filters(kiln_ckpt):
-    model = _load_kiln(kiln_ckpt)
-    prompt = [1, 2, 3]
-    greedy = generate(model, prompt, max_new_tokens=8)
-    sample = dict(max_new_tokens=8, temperature=1.5, top_p=0.9, seed=4)
-    assert generate(model, prompt, **sample) == generate(model, prompt, **sample)
-    assert generate(model, prompt, **sample) != generate(model, prompt, **{**sample, "seed": 5})
-    assert generate(model, prompt, max_new_tokens=8, temperature=2.0, top_k=1) == greedy
-    assert generate(model, prompt, max_new_tokens=8, temperature=2.0, top_p=1e-6) == greedy
-
-
-def test_generation_stops_at_eos_and_context(kiln_ckpt):
-    model = _load_kiln(kiln_ckpt)
-    greedy = generate(model, [1, 2, 3], max_new_tokens=8)
-    assert (
-        generate(model, [1, 2, 3], max_new_tokens=8, eos_id=greedy[2])
-        == greedy[: greedy.index(greedy[2]) + 1]
-    )
-    long_prompt = [7] * (model.cfg.max_seq_len - 2)
-    assert len(generate(model, long_prompt, max_new_tokens=10)) == 3
-    with pytest.raises(KilnError, match="more than the model's context"):
-        generate(model, [7] * (model.cfg.max_seq_len + 1), max_new_tokens=1)
-
-
 # Llama 3.1-style RoPE scaling, shrunk: a 64-token original context that LONG tokens run past.
 # With head_dim 16 the frequencies make about 10, 2, 0.4, ... turns over those 64 positions, so
 # one is kept, one blended and the rest stretched: every branch of the rule is exercised.
