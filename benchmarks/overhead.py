@@ -51,16 +51,22 @@ def profile_steps(step_fn, steps: int, top: int = 0) -> str:
     return out.getvalue()
 
 
-def baseline_step_fn(cfg, batch: torch.Tensor):
-    model = materialize(build_model(cfg.model), device="cpu", seed=cfg.train.seed)
+def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def baseline_step_fn(cfg, batch: torch.Tensor, *, model=None, loss_fn=mean_token_loss):
+    """The hand-written step: `model` (kiln's, by default) and `loss_fn(logits, labels)`, the
+    gradient clipped, AdamW (foreach)."""
+    if model is None:
+        model = materialize(build_model(cfg.model), device="cpu", seed=cfg.train.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas), foreach=True
     )
     inputs, labels = batch[:, :-1], batch[:, 1:]
 
     def step():
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss = loss_fn(model(inputs), labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip_norm, foreach=True)
         optimizer.step()

@@ -57,20 +57,11 @@ def torchtitan_step_fn(cfg, batch: torch.Tensor):
     model = Transformer(model_args(cfg.model, cfg.train.seq_len))
     with torch.no_grad():  # as its trainer does, under a meta-device init
         model.init_weights()
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas), foreach=True
-    )
-    inputs, labels = batch[:, :-1], batch[:, 1:]
-    tokens = labels.numel()
 
-    def step():
-        loss = cross_entropy_loss(model(inputs), labels) / tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip_norm, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss(logits, labels) / labels.numel()  # its loss is a sum
 
-    return step
+    return baseline_step_fn(cfg, batch, model=model, loss_fn=mean_loss)
 
 
 def main() -> None:
