@@ -137,7 +137,7 @@ class Lease:
             try:
                 self.store.write_own(self.file, text)
                 return
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):  # a folder made and removed meanwhile
                 if attempt == 2:
                     raise
 

@@ -191,7 +191,7 @@ class LocalStore:
                 probe.write_text("ok")
                 probe.unlink()
                 break
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):  # made, or removed, by the other one
                 if attempt == _PROBE_TRIES - 1:
                     raise self._not_writable(root, "it kept disappearing") from None
             except OSError as error:
