@@ -64,6 +64,14 @@ class Owner:
         )
 
 
+def owner_of(root: Location) -> Owner | None:
+    """The owner recorded under `root` (None: none, or a file a crash left unreadable)."""
+    try:
+        return Owner(**json.loads(store_for(root).read_bytes(root / OWNER).decode()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def run_identity(*, fault_tolerant: str | None) -> str:
     """This invocation's identity. A torchrun job's restarts share its rendezvous id (the launcher
     has stopped every worker of the failed attempt); a SLURM requeue counts as a new run, since
@@ -124,11 +132,7 @@ class Lease:
         return held.run == self.run or held.is_this_process() or held.expired()
 
     def holder(self) -> Owner | None:
-        """The owner recorded under `root` (None: none, or a file a crash left unreadable)."""
-        try:
-            return Owner(**json.loads(self.store.read_bytes(self.file).decode()))
-        except (OSError, ValueError, TypeError):
-            return None
+        return owner_of(self.root)
 
     def _write(self) -> None:
         me = Owner(self.run, socket.gethostname(), os.getpid(), self.run_dir, time.time(), _PROCESS)

@@ -27,7 +27,7 @@ from kiln.checkpoint.layout import (
     resolve_checkpoint,
     resume_candidates,
 )
-from kiln.checkpoint.lease import Lease, run_identity
+from kiln.checkpoint.lease import Lease, owner_of, run_identity
 from kiln.checkpoint.saver import CheckpointSaver, SaveRecord
 from kiln.checkpoint.shared_dir import check_one_filesystem
 from kiln.checkpoint.state import Modules, Optimizers
@@ -233,7 +233,7 @@ class CheckpointManager:
 
     def holder(self) -> str | None:
         """Which live run holds the checkpoint location now, for `kiln check` (None: none)."""
-        held = Lease(self.dir, run="", run_dir="").holder()
+        held = owner_of(self.dir)
         if held is None or held.expired():
             return None
         return f"{held.describe()}; kiln train waits up to checkpoint.owner_wait_s for it"

@@ -21,7 +21,7 @@ from kiln.checkpoint.store import (
     remove_if_empty,
     store_for,
 )
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.parallel.agree import decide_on_main, gather_from_all, raise_any_failure
 
 
@@ -37,18 +37,17 @@ def check_one_filesystem(root: Location) -> None:
     check = decide_on_main(lambda: uuid.uuid4().hex[:12], what="name the shared-folder check")
     token = root / f".node_check_{check}_{rank:05d}"
     created = missing_folders(root)
-    failure = None
+    host, failure = socket.gethostname(), None
     if writes:
         try:
-            store.write_own(token, socket.gethostname().encode())
+            store.write_own(token, host.encode())
         except OSError as error:
-            failure = f"cannot write to checkpoint.dir {root} on {socket.gethostname()}: {error}"
-    raise_any_failure(failure)  # every token is written before rank 0 looks
-    writers = [
-        (r, host)
-        for r, host, wrote in gather_from_all((rank, socket.gethostname(), writes))
-        if wrote
-    ]
+            failure = f"cannot write to checkpoint.dir {root} on {host}: {error}"
+    # One gather: every token is written before rank 0 looks, and who wrote one.
+    reports = gather_from_all((rank, host, writes, failure))
+    if failed := next((f for *_, f in reports if f is not None), None):
+        raise KilnError(failed)  # the same message on every rank
+    writers = [(r, h) for r, h, wrote, _ in reports if wrote]
 
     def unseen() -> list[tuple[int, str]]:
         return [
