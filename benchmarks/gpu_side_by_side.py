@@ -40,10 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "benchmarks/side_by_side_workers.py"
 RECIPE = "configs/train/demo.toml"
-FRAMEWORKS = ("kiln", "hand", "torchtitan")
+FRAMEWORKS = ("kiln", "hand", "torchtitan", "hand_sync")
 # torchtitan before the hand loop: the hand loop compiles kiln's blocks, which kiln's run has
 # just cached, so it is the quickest and the likeliest to fit in what --budget-s leaves.
-RUN_ORDER = ("kiln", "torchtitan", "hand")
+RUN_ORDER = ("kiln", "torchtitan", "hand", "hand_sync")
 # Model: kiln preset, batch, seq, whether the layer count is fitted to the GPU.
 MODELS = {
     "llama3_1b": ("llama3_1b", 4, 2048, False),
@@ -207,6 +207,8 @@ def command(framework: str, v: Variant, args: argparse.Namespace, run_dir: Path)
         common.append(f"--layers={v.layers}")
     if framework == "hand":
         return [*py, str(WORKERS), "hand", *common]
+    if framework == "hand_sync":  # the price of one read per step (kiln's non-finite check)
+        return [*py, str(WORKERS), "hand", *common, "--read-every-step"]
     return [*py, str(REPO / "benchmarks/torchtitan_launcher.py"), *common]
 
 
@@ -441,7 +443,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--models", nargs="+", default=None, help=f"{list(MODELS)} or all")
     p.add_argument("--modes", nargs="+", default=None, help=f"{list(MODES)} or all")
-    p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    p.add_argument(
+        "--frameworks", nargs="+", default=list(FRAMEWORKS[:3]), choices=FRAMEWORKS,
+        help="hand_sync: the hand loop reading one flag per step, as kiln's non-finite check does",
+    )
     p.add_argument("--rounds", type=int, default=2, help="alternations of the frameworks")
     p.add_argument("--steps", type=int, default=None, help="steps per run (20; cpu: 6)")
     p.add_argument("--warmup", type=int, default=None, help="steps left out (5; cpu: 2)")

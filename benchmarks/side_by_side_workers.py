@@ -160,6 +160,8 @@ def hand_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for index, (x, y) in enumerate(batches, start=1):
         loss = step(x, y)
+        if args.read_every_step:  # kiln's one wait a step: is the loss finite?
+            bool(torch.isfinite(loss))
         if index % args.log_every == 0 or index == 1:
             value = loss.item()  # a loop prints its loss now and then, as kiln logs it
             now = time.perf_counter()
@@ -184,6 +186,7 @@ def run_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda")
     p.add_argument("--data", default="data/demo")
     p.add_argument("--result", required=True, help="JSON: logged records and peak memory")
+    p.add_argument("--read-every-step", action="store_true", help="hand loop: one read a step")
     return p
 
 

@@ -16,6 +16,7 @@
 # The Python: $PYTHON, else the checkout's .venv (`make install`) where it has one, else python3;
 # one that cannot import torch, kiln's packages or pytest is named in one line (exit 2).
 # Limits in seconds (environment variables): KILN_CHECK_TESTS_S (350), KILN_CHECK_BENCH_S (190).
+# KILN_CHECK_BENCH_ARGS adds arguments to the benchmark's (e.g. "--rounds 3 --models llama3_1b").
 # Exit status: 0 when every part that ran passed, 1 when a test failed, a part failed or timed
 # out, 2 on wrong usage or an unusable Python.
 # See docs/gpu_check.md.
@@ -198,6 +199,8 @@ elif ((cpu_dry_run)); then
     bench_args=(--device cpu)
 fi
 if ((${#bench_args[@]})); then
+    read -r -a extra <<<"${KILN_CHECK_BENCH_ARGS:-}"
+    bench_args+=("${extra[@]}")
     # Stop starting runs in time to write the tables before the part's limit.
     budget=$((bench_limit - 20))
     log "benchmark ${bench_args[*]} (limit ${bench_limit} s)"
