@@ -444,7 +444,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", default=None, help=f"{list(MODELS)} or all")
     p.add_argument("--modes", nargs="+", default=None, help=f"{list(MODES)} or all")
     p.add_argument(
-        "--frameworks", nargs="+", default=list(FRAMEWORKS[:3]), choices=FRAMEWORKS,
+        "--frameworks",
+        nargs="+",
+        default=list(FRAMEWORKS[:3]),
+        choices=FRAMEWORKS,
         help="hand_sync: the hand loop reading one flag per step, as kiln's non-finite check does",
     )
     p.add_argument("--rounds", type=int, default=2, help="alternations of the frameworks")
