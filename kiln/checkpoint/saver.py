@@ -184,8 +184,9 @@ class CheckpointSaver:
             self._abandon(step)
             raise self._error(step, first_line(error)) from None
         self.last_seconds = time.monotonic() - started
-        written = own_files + _dcp_files(metadata)
-        failure = self._attempt(step, lambda: self._commit(step, written)) if rank() == 0 else None
+        failure = None
+        if rank() == 0:
+            failure = self._attempt(step, lambda: self._commit(step, own_files, metadata))
         raise_any_failure(failure)
         blocked = time.monotonic() - started
         self.newest = layout.step_dir(self.root, step)
@@ -205,13 +206,16 @@ class CheckpointSaver:
         in_flight, self.in_flight = self.in_flight, None
         failure = None
         try:
-            written = in_flight.own_files + _dcp_files(in_flight.future.result())
+            metadata = in_flight.future.result()
         except (Exception, CheckpointException) as error:
             self._abandon(in_flight.step)
             failure = str(self._error(in_flight.step, first_line(error)))
         self.last_seconds = (in_flight.finished or time.monotonic()) - in_flight.started
         if failure is None and rank() == 0:
-            failure = self._attempt(in_flight.step, lambda: self._commit(in_flight.step, written))
+            failure = self._attempt(
+                in_flight.step,
+                lambda: self._commit(in_flight.step, in_flight.own_files, metadata),
+            )
         raise_any_failure(failure)
         blocked = in_flight.staged_s + time.monotonic() - began
         self.newest = layout.step_dir(self.root, in_flight.step)
@@ -238,8 +242,7 @@ class CheckpointSaver:
         if in_flight is None or rank() != 0 or not in_flight.future.done():
             return None
         try:
-            written = in_flight.own_files + _dcp_files(in_flight.future.result())
-            self._commit(in_flight.step, written)
+            self._commit(in_flight.step, in_flight.own_files, in_flight.future.result())
         except (Exception, CheckpointException) as error:
             warn(f"the save of step {in_flight.step} was not committed: {first_line(error)}")
             return None  # the previous checkpoint stays the newest
@@ -282,9 +285,18 @@ class CheckpointSaver:
         torch.save(rng_state(), buffer)
         self.store.write_own(partial / "rng" / f"rank_{rank():05d}.pt", buffer.getvalue())
 
-    def _commit(self, step: int, written: list[str]) -> None:
+    def _commit(self, step: int, own_files: list[str], metadata: Metadata) -> None:
+        """Commit step `step`: kiln's own files and those DCP reports it wrote, its metadata
+        file and each data file the metadata names (rank 0)."""
+        storage = metadata.storage_data
+        if storage is None:
+            # torch 2.11's FileSystemWriter.finish fills in a copy of the metadata, not the one
+            # dcp.save returns: the file it wrote holds the list.
+            partial = layout.partial_dir(self.root, step)
+            storage = self.store.reader(partial).read_metadata().storage_data
+        files = sorted({info.relative_path for info in storage.values()})
         self.still_owned()
-        final = layout.commit(self.root, step, written=written)
+        final = layout.commit(self.root, step, written=[*own_files, ".metadata", *files])
         self.newest = final  # rank 0 knows at once, even if a peer fails the agreement after
         # Retention is best effort (on disk an rmtree that ignores errors): failing to delete an
         # old step must not undo the commit just made, which _attempt would on an OSError.
@@ -325,8 +337,3 @@ def _own_files(*, tokenizer: bool) -> list[str]:
     ranks = dist.get_world_size() if distributed() else 1
     small = ["config.toml", "train_state.json", *(["tokenizer.json"] if tokenizer else [])]
     return small + [f"rng/rank_{r:05d}.pt" for r in range(ranks)]
-
-
-def _dcp_files(metadata: Metadata) -> list[str]:
-    """The files DCP reports it wrote: its metadata file and each data file the metadata names."""
-    return [".metadata", *sorted({info.relative_path for info in metadata.storage_data.values()})]

@@ -42,7 +42,11 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
             memory = self.cfg.record_memory
             if memory and self.cuda:
-                torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+                # Python frames only: C++ frames are symbolized with addr2line when the snapshot
+                # is taken, which failed on an H200 machine ("RuntimeError: stoi") and is slow.
+                torch.cuda.memory._record_memory_history(
+                    stacks="python", max_entries=MEMORY_HISTORY_ENTRIES
+                )
             self.profiler = profile(
                 activities=activities, record_shapes=memory, profile_memory=memory
             )
@@ -68,7 +72,11 @@ class StepProfiler:
         written = [trace]
         if self.cfg.record_memory and self.cuda:
             snapshot = self.folder / "memory_snapshot.pickle"
-            torch.cuda.memory._dump_snapshot(str(snapshot))
-            torch.cuda.memory._record_memory_history(enabled=None)
-            written.append(snapshot)
+            try:
+                torch.cuda.memory._dump_snapshot(str(snapshot))
+                written.append(snapshot)
+            except RuntimeError as error:  # a diagnostic that fails must not end the run
+                warn(f"the CUDA memory snapshot could not be written ({error}); the trace was")
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
         warn(f"profile of steps {first}-{last} written: {', '.join(map(str, written))}")

@@ -20,7 +20,7 @@ from kiln.model.document_mask import (
     document_ids,
     masked_attention,
 )
-from kiln.model.llama import model as transformer_module
+from kiln.model import document_mask as document_mask_module
 from kiln.parallel.context_parallel import load_balanced_positions
 
 EOS = 0
@@ -120,7 +120,7 @@ def model_pass(device: torch.device, kernel: str, *, backward: bool) -> tuple:
     tokens = tokens.to(device)  # EOS about every 24th token
     masks = functools.partial(build_document_mask, kernel=kernel)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformer_module, "build_document_mask", masks)
+        patch.setattr(document_mask_module, "build_document_mask", masks)
         with torch.autocast(device.type, dtype=torch.bfloat16), torch.set_grad_enabled(backward):
             logits = model(tokens, document_ids=document_ids(tokens, EOS))
         if backward:
