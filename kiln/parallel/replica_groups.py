@@ -1,9 +1,10 @@
 """Replica groups with torchft (docs/fault_tolerance.md). Each dp_replicate slice is a torchrun
 job of its own; before every step a quorum over the lighthouse decides which groups train it.
 Inside a step the groups sum what plain HSDP sums over dp_replicate (the valid token count, the
-gradients, the loss) over the groups in the quorum; a group that rejoins receives the weights,
-optimizer state and data position from a live peer in the quorum that admits it, and a step
-that lost a peer midway commits nowhere and is not counted."""
+gradients, the loss) over the groups in the quorum, each FSDP unit's gradients during the
+backward as HSDP does; a group that rejoins receives the weights, optimizer state and data
+position from a live peer in the quorum that admits it, and a step that lost a peer midway
+commits nowhere and is not counted."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 
 import torch
 from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import FaultToleranceConfig, JobConfig
@@ -229,6 +231,29 @@ class ReplicaGroups:
         for tensor in tensors:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
+
+    def sum_in_backward(self, model_parts: list[torch.nn.Module]) -> bool:
+        """Sum each FSDP unit's gradient shard over the groups as soon as the unit's
+        reduce-scatter has made it (FSDP2's all-reduce hook), as HSDP's all-reduce over
+        dp_replicate runs: the sum overlaps the backward of the units still to run, and it comes
+        before FSDP's division, as HSDP's does. Returns whether the hook serves this layout;
+        where it does not (no FSDP inside a group, expert parallel: docs/fault_tolerance.md),
+        `sum_gradients` sums every shard after the backward."""
+        units = [m for part in model_parts for m in part.modules() if isinstance(m, FSDPModule)]
+        if not units or self.parallel.degrees["ep"] > 1:
+            return False
+        covered = {id(p) for unit in units for p in unit.parameters()}
+        if any(id(p) not in covered for part in model_parts for p in part.parameters()):
+            return False
+
+        def sum_shard(reduced: torch.Tensor) -> None:
+            # On a GPU the wait orders the stream FSDP runs this on, not the host. A failure
+            # leaves the values undefined and the step uncommitted, as in `sum`.
+            self.manager.allreduce(reduced, reduce_op=ReduceOp.SUM).wait()
+
+        for unit in units:
+            unit.set_all_reduce_hook(sum_shard)
+        return True
 
     def sum_gradients(self, params: list[torch.nn.Parameter], extra: list[torch.Tensor]) -> None:
         """Sum every gradient shard of this rank (and the `extra` values) over the groups, in

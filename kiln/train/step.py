@@ -79,6 +79,8 @@ class TrainStep:
         self.cfg, self.parallel, self.device = cfg, parallel, parallel.device
         # Fault tolerance: what HSDP sums over dp_replicate is summed over the live groups.
         self.replicas = replicas
+        # Under FSDP the gradients cross the groups during the backward; else after it.
+        self.sums_in_backward = replicas is not None and replicas.sum_in_backward(model_parts)
         self.model_parts, self.optimizers = model_parts, optimizers
         pipelined = parallel.degrees["pp"] > 1
         self.pipeline_group = parallel.mesh["pp"].get_group() if pipelined else None
@@ -161,7 +163,10 @@ class TrainStep:
             stops = torch.tensor(
                 [flags.stop, flags.time_up], dtype=total.dtype, device=total.device
             )
-            self.replicas.sum_gradients(self._params(), extra=[total, stops])
+            if self.sums_in_backward:
+                self.replicas.sum([total, stops])
+            else:
+                self.replicas.sum_gradients(self._params(), extra=[total, stops])
             flags = replace(flags, stop=bool(stops[0] > 0), time_up=bool(stops[1] > 0))
         grad_norm, per_param = self._clip()
         loss = total / valid

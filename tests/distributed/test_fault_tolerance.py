@@ -141,15 +141,20 @@ def test_a_killed_group_is_dropped_then_rejoins_from_the_live_one(tmp_path, demo
 def test_a_run_without_failures_matches_plain_hsdp(tmp_path, demo_data, runs):
     """Two groups × dp_shard=2 against the parity suite's dp_replicate=2 × dp_shard=2 run:
     within the parity band (fp32, the same sums in another reduction order: the loss is summed
-    over the groups in the quorum's process group)."""
+    over the groups in the quorum's process group). Each FSDP unit's gradients cross the groups
+    during the backward, as soon as the unit's own backward is done, not after the whole."""
     layout = ["--distributed.dp_replicate=2", "--distributed.dp_shard=2", "--train.batch_size=2"]
     run, logs = tmp_path / "run", tmp_path / "logs"
     with lighthouse(logs / "lighthouse.txt", min_replicas=2) as house:  # both from step 1
         groups = [
             start_ranks(
                 2,
-                train_args(run, demo_data, *layout, *fault_tolerance(house.address, g)),
+                [
+                    "--test-order",
+                    *train_args(run, demo_data, *layout, *fault_tolerance(house.address, g)),
+                ],
                 logs / f"group_{g}",
+                module=WORKER,
             )
             for g in (0, 1)
         ]
@@ -157,6 +162,20 @@ def test_a_run_without_failures_matches_plain_hsdp(tmp_path, demo_data, runs):
     hsdp = records(runs(4, *layout))
     for group in (0, 1):
         assert_parity(records(run / f"replica_group_{group}"), hsdp)
+        for rank in (0, 1):
+            order = json.loads(
+                (run / f"replica_group_{group}" / f"order_rank_{rank}.json").read_text()
+            )
+            # The valid-token count before the forward; then per unit, its backward and its
+            # gradients' sum, the next unit's backward running after; the loss after the last.
+            units = order.count("backward")
+            assert units >= 3, order  # the debug model: two blocks and the root
+            assert order == [
+                "all_reduce",
+                *["backward", "all_reduce"] * units,
+                "all_reduce",
+                "commit",
+            ]
 
 
 def test_a_signal_to_one_group_stops_all_then_a_lost_lighthouse_stops_all(tmp_path, demo_data):
