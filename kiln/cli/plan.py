@@ -51,7 +51,123 @@ def add_parsers(subcommand) -> None:
     plan.add_argument("--top", type=int, default=5, help="layouts to print")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_argument("--write", type=Path, help="write the best layout as a recipe TOML")
+    add_fault_tolerance_arguments(plan)
     plan.set_defaults(run=cmd_plan)
+
+
+def add_fault_tolerance_arguments(plan) -> None:
+    """`--fault-tolerance` and the inputs of its model (docs/fault_tolerance.md)."""
+    from kiln.plan import fault_tolerance as model
+
+    ft = plan.add_argument_group(
+        "fault tolerance",
+        "whether replica groups (the best layout's dp_replicate groups) lose fewer GPU-hours "
+        "than checkpoint restarts: docs/fault_tolerance.md, 'When replica groups pay'",
+    )
+    ft.add_argument(
+        "--fault-tolerance",
+        action="store_true",
+        help="add the per-step cost of replica groups (every-step sync, DiLoCo), the GPU-hours "
+        "lost a day with checkpoint restarts and with replica groups, and the break-even GPU count",
+    )
+    ft.add_argument(
+        "--failure-rate",
+        metavar="RATE",
+        type=float,
+        help="failures per GPU-hour, λ (default: "
+        f"{model.LLAMA3_FAILURES_PER_GPU_HOUR:g}, The Llama 3 Herd of Models 2024 §3.3.4: "
+        "419 unexpected interruptions in 54 days on 16,384 H100s)",
+    )
+    ft.add_argument(
+        "--restart-s",
+        metavar="SECONDS",
+        type=float,
+        help="with checkpoint restarts, seconds from a failure to training again, R "
+        f"(default: {model.RESTART_S:g})",
+    )
+    ft.add_argument(
+        "--checkpoint-interval",
+        metavar="STEPS",
+        type=int,
+        help="steps between checkpoints (default: the recipe's checkpoint.interval)",
+    )
+    ft.add_argument(
+        "--group-restart-s",
+        metavar="SECONDS",
+        type=float,
+        help="with replica groups, seconds from a failure to the failed group training again, "
+        "healed from a peer, R_g (default: --restart-s)",
+    )
+    ft.add_argument(
+        "--stall-s",
+        metavar="SECONDS",
+        type=float,
+        help=f"seconds the surviving groups stall per failure, S (default: {model.STALL_S:g})",
+    )
+    ft.add_argument(
+        "--quorum-ms",
+        metavar="MS",
+        type=float,
+        help="fixed time replica groups add to a step besides the gradient sum: the quorum's "
+        "round trip to the lighthouse, the commit vote, the small sums (default: "
+        f"{model.QUORUM_MS:g}, an assumption: measure yours)",
+    )
+    ft.add_argument(
+        "--sync-every",
+        metavar="H",
+        type=int,
+        help=f"DiLoCo's inner steps between syncs, H (default: {model.SYNC_EVERY}, Streaming "
+        "DiLoCo's; DiLoCo ran 500)",
+    )
+
+
+# The fault-tolerance model's options, as argparse names them (None: not given).
+FT_OPTIONS = (
+    "failure_rate",
+    "restart_s",
+    "checkpoint_interval",
+    "group_restart_s",
+    "stall_s",
+    "quorum_ms",
+    "sync_every",
+)
+
+
+def failure_inputs(args, base):
+    """The fault-tolerance model's inputs from the options, their defaults and the recipe; None
+    without --fault-tolerance."""
+    from kiln.errors import ConfigError
+    from kiln.plan import fault_tolerance as ft
+
+    if not args.fault_tolerance:
+        given = [name for name in FT_OPTIONS if getattr(args, name) is not None]
+        if given:
+            option = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{option} is an input of --fault-tolerance: add --fault-tolerance")
+        return None
+
+    def pick(name: str, default):
+        value = getattr(args, name)
+        return default if value is None else value
+
+    interval = pick("checkpoint_interval", base.checkpoint.interval)
+    if args.checkpoint_interval is None and interval <= 0:
+        raise ConfigError(
+            "--fault-tolerance needs the steps between checkpoints: --model's "
+            f"checkpoint.interval is {interval} (no checkpoints); give --checkpoint-interval STEPS"
+        )
+    restart = pick("restart_s", ft.RESTART_S)
+    inputs = ft.FailureInputs(
+        failures_per_gpu_hour=pick("failure_rate", ft.LLAMA3_FAILURES_PER_GPU_HOUR),
+        restart_s=restart,
+        checkpoint_interval=interval,
+        group_restart_s=pick("group_restart_s", restart),
+        stall_s=pick("stall_s", ft.STALL_S),
+        quorum_ms=pick("quorum_ms", ft.QUORUM_MS),
+        sync_every=pick("sync_every", ft.SYNC_EVERY),
+    )
+    inputs.check()
+    return inputs
 
 
 def cluster_from_args(args, gpus: int):
@@ -106,13 +222,25 @@ def cmd_plan(args) -> int:
             f"--global-batch-tokens {tokens} is not a whole number of sequences of "
             f"{base.train.seq_len} tokens"
         )
+    inputs = failure_inputs(args, base)
     result = search(base, cluster, global_tokens=tokens)
     require_fit(base, result, global_tokens=tokens)
-    print(
-        json_report(result, base, top=args.top)
-        if args.json
-        else text_report(result, base, top=args.top)
-    )
+    ft = None
+    if inputs is not None:
+        from kiln.plan.fault_tolerance import fault_tolerance
+
+        ft = fault_tolerance(result.ranked[0], cluster, inputs)
+    if args.json:
+        from kiln.plan.fault_tolerance import as_dict
+
+        extra = {"fault_tolerance": as_dict(ft)} if ft else {}
+        print(json_report(result, base, top=args.top, extra=extra))
+    else:
+        from kiln.plan.fault_tolerance import text_lines
+
+        print(text_report(result, base, top=args.top))
+        if ft:
+            print("\n" + "\n".join(text_lines(ft)))
     if args.write:
         command = " ".join(["kiln", *sys.argv[1:]]) if sys.argv[0].endswith("kiln") else "kiln plan"
         write_recipe(result.ranked[0], args.write, command=command)

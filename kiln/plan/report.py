@@ -144,7 +144,8 @@ def text_report(result: PlanResult, base: JobConfig, *, top: int) -> str:
     return "\n".join(lines)
 
 
-def json_report(result: PlanResult, base: JobConfig, *, top: int) -> str:
+def json_report(result: PlanResult, base: JobConfig, *, top: int, extra: dict | None = None) -> str:
+    """The plan as JSON; `extra` adds top-level keys (`--fault-tolerance`'s)."""
     c = result.cluster
     out = {
         "model": base.model.preset or None,
@@ -158,6 +159,7 @@ def json_report(result: PlanResult, base: JobConfig, *, top: int) -> str:
         "fitting": len(result.ranked),
         "top": [candidate_dict(cand) for cand in distinct(result.ranked, top)],
         "why": why(result),
+        **(extra or {}),
     }
     return json.dumps(out, indent=2)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.config.sections import JobConfig
+from kiln.config.sections import JobConfig, ModelConfig
 from kiln.parallel.pipeline_split import bubble_fraction
 from kiln.plan import model_facts
 from kiln.plan.activations import (
@@ -114,29 +114,53 @@ def fsdp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> d
     """FSDP's all-gathers and reduce-scatters per step (and HSDP's all-reduce)."""
     m, t, d = cfg.model, cfg.train, cfg.distributed
     shard = degrees["dp_shard"] * degrees["ep"] * degrees["cp"]
-    replicas = degrees["dp_replicate"]
-    if shard * replicas == 1:
+    if shard * degrees["dp_replicate"] == 1:
         return {}
-    experts = routed_expert_params(m) if m.moe.num_experts > 0 else 0
-    dense = (model_facts.params(m).total - experts) / (degrees["tp"] * degrees["pp"])
+    dense, local_experts = sharded_params(m, degrees)
     expert_ranks = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
-    local_experts = experts / (degrees["ep"] * degrees["pp"])
     gathered = dense * ring_share(shard) + local_experts * ring_share(expert_ranks)
     float8 = t.mixed_precision == "fp8" and cfg.fp8.fsdp_float8_all_gather
     gathers = 1 if degrees["pp"] > 1 or not d.reshard_after_forward else 2
-    # Gradients are reduced every micro-batch (grad_reduce = per_micro_batch) or once per step.
-    reductions = t.grad_accum_steps if d.grad_reduce == "per_micro_batch" else 1
     bandwidth = cluster.bandwidth(span(degrees, "dp_shard"))
     out = {
         "fsdp_all_gather": gathers * t.grad_accum_steps * (1 if float8 else 2) * gathered,
-        "fsdp_reduce_scatter": reductions * 4 * gathered,
+        "fsdp_reduce_scatter": gradient_reductions(cfg) * 4 * gathered,
     }
     out = {name: size / bandwidth for name, size in out.items()}
-    if replicas > 1:
-        held = dense / shard + local_experts / expert_ranks
-        all_reduce = reductions * 2 * 4 * held * ring_share(replicas)
-        out["hsdp_all_reduce"] = all_reduce / cluster.bandwidth(span(degrees, "dp_replicate"))
+    if degrees["dp_replicate"] > 1:
+        out["hsdp_all_reduce"] = gradient_reductions(cfg) * replica_sum_seconds(
+            cfg, degrees, cluster
+        )
     return out
+
+
+def sharded_params(m: ModelConfig, degrees: dict[str, int]) -> tuple[float, float]:
+    """Parameters one rank holds before FSDP shards them: the dense ones (split by tp and pp)
+    and its ep rank's routed experts."""
+    experts = routed_expert_params(m) if m.moe.num_experts > 0 else 0
+    dense = (model_facts.params(m).total - experts) / (degrees["tp"] * degrees["pp"])
+    return dense, experts / (degrees["ep"] * degrees["pp"])
+
+
+def gradient_shard_params(m: ModelConfig, degrees: dict[str, int]) -> float:
+    """Parameters in one rank's gradient shard: the dense ones over the FSDP ranks (dp_shard ×
+    ep × cp), its experts over theirs (dp_shard × cp × tp)."""
+    dense, local_experts = sharded_params(m, degrees)
+    shard = degrees["dp_shard"] * degrees["ep"] * degrees["cp"]
+    return dense / shard + local_experts / (degrees["dp_shard"] * degrees["cp"] * degrees["tp"])
+
+
+def gradient_reductions(cfg: JobConfig) -> int:
+    """Gradient reductions per step: every micro-batch (grad_reduce = per_micro_batch) or once."""
+    t = cfg.train
+    return t.grad_accum_steps if cfg.distributed.grad_reduce == "per_micro_batch" else 1
+
+
+def replica_sum_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
+    """One all-reduce of every rank's fp32 gradient shard across dp_replicate: HSDP's per
+    reduction, replica groups' per step, DiLoCo's pseudo-gradient per sync."""
+    size = 2 * 4 * gradient_shard_params(cfg.model, degrees) * ring_share(degrees["dp_replicate"])
+    return size / cluster.bandwidth(span(degrees, "dp_replicate"))
 
 
 def layer_passes(cfg: JobConfig, degrees: dict[str, int]) -> float:
@@ -200,6 +224,12 @@ def pp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> flo
     return sends * size / cluster.bandwidth(2 * span(degrees, "dp_replicate"))
 
 
+def exposed_seconds(compute: float, overlapped: float, serial: float) -> float:
+    """The overlap rule: what of the transfers that run beside the compute exceeds it, and the
+    serial transfers in full."""
+    return max(0.0, overlapped - compute) + serial
+
+
 def step_time(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> StepTime:
     """Everything above for `cfg` on `degrees` (resolved) on `cluster`."""
     t = cfg.train
@@ -215,7 +245,7 @@ def step_time(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> Step
         "ep": ep_seconds(cfg, degrees, cluster),
         "pp": pp_seconds(cfg, degrees, cluster),
     }
-    exposed = max(0.0, sum(comm.values()) - compute) + sum(serial.values())
+    exposed = exposed_seconds(compute, sum(comm.values()), sum(serial.values()))
     comm.update({name: s for name, s in serial.items() if s})
     return StepTime(
         compute=compute,
