@@ -10,7 +10,7 @@ failed group's restart R_g and the survivors' stall S. Replica groups cost o on 
                kiln/parallel/replica_groups.py), so the overlap rule (throughput.py) applies to
                it, but for the root unit's share (embeddings, final norm, head): that unit is
                reduced last, after the backward, with nothing left to hide it. Elsewhere (ep > 1,
-               no FSDP inside a group) the whole sum runs after the backward. Plus the fixed
+               groups of one GPU: no FSDP) the whole sum runs after the backward. Plus the fixed
                per-step time (quorum round trip, commit vote, the small sums).
   DiLoCo at H  no sum in the step; every H steps one all-reduce of a step's gradient size (the
                pseudo-gradient, fp32 shards) and the fixed time, exposed: both / H per step. A
@@ -118,9 +118,11 @@ class FaultTolerance:
 
 
 def sums_in_backward(degrees: dict[str, int]) -> bool:
-    """Whether FSDP2's all-reduce hook carries the cross-group sum: FSDP inside a group (dp_shard
-    or cp > 1) and no expert parallel (kiln/parallel/replica_groups.py)."""
-    return degrees["ep"] == 1 and degrees["dp_shard"] * degrees["cp"] > 1
+    """Whether FSDP2's all-reduce hook carries the cross-group sum (replica_groups.py in
+    kiln/parallel): no expert parallel, and a group of more than one GPU, where FSDP wraps every
+    parameter (over a mesh of one rank when dp_shard, ep and cp are 1); a one-GPU group has no
+    FSDP."""
+    return degrees["ep"] == 1 and math.prod(degrees.values()) > degrees["dp_replicate"]
 
 
 def root_share(candidate: Candidate) -> float:
@@ -282,7 +284,7 @@ def text_lines(ft: FaultTolerance) -> list[str]:
         "in the backward (FSDP's all-reduce hook) but for the root unit's share, "
         f"{ft.after_backward:.4f} s after it"
         if ft.sum_in_backward
-        else "after the backward, all of it exposed (expert parallel, or no FSDP in a group)"
+        else "after the backward, all of it exposed (expert parallel, or one-GPU groups: no FSDP)"
     )
     lines += [
         "",

@@ -1,5 +1,6 @@
 """The planner's throughput terms on hand-computed cases: compute with recompute, each
-collective's bytes over the link its ranks use, the overlap rule, and the hardware table."""
+collective's bytes over the link its ranks use, the overlap rule, the hardware table, and what
+of the cross-group sum replica groups leave exposed."""
 
 import pytest
 
@@ -7,6 +8,7 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.metrics.mfu import PEAK_BF16_FLOPS
 from kiln.model import count_params, flops_per_token
+from kiln.plan.fault_tolerance import FailureInputs, as_dict, fault_tolerance
 from kiln.plan.hardware import (
     COMPUTE_EFFICIENCY,
     GPUS,
@@ -15,6 +17,7 @@ from kiln.plan.hardware import (
     find_gpu,
     make_cluster,
 )
+from kiln.plan.search import evaluate
 from kiln.plan.throughput import (
     compute_seconds,
     cp_seconds,
@@ -159,3 +162,35 @@ def test_gpus_must_fill_whole_nodes():
     assert make_cluster(H100, 2, 8).gpus_per_node == 2  # less than a node: one partial node
     with pytest.raises(ConfigError, match="unknown --network"):
         make_cluster(H100, 8, 8, "token-ring")
+
+
+def test_replica_groups_sum_in_the_backward_only_under_fsdp_without_expert_parallel():
+    """Every-step sync's cost o: where FSDP wraps a group (more than one GPU, no expert
+    parallel) the cross-group sum overlaps the backward as HSDP's all-reduce does, but for the
+    root unit's share; with expert parallel or one-GPU groups it all runs after the backward. A
+    layout without dp_replicate has no groups."""
+    cfg = job("full", batch_size=32)  # enough compute to hide every transfer beside it
+    cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.model.moe.ffn_hidden_dim = 8, 2, 256
+    cluster = make_cluster(H100, 8, 8)
+    inputs = FailureInputs(2e-5, 600.0, 500, 600.0, 10.0, 5.0, 100)
+    # The root unit (embeddings and head, untied) of the parameters, sharded alike.
+    root = 2 * 1000 * 512 / count_params(cfg.model).total
+    layouts = [  # layout, whether the hook serves it
+        ({**ONE, "dp_replicate": 2, "dp_shard": 4}, True),
+        ({**ONE, "dp_replicate": 2, "tp": 4}, True),  # FSDP over a mesh of one rank
+        ({**ONE, "dp_replicate": 2, "dp_shard": 2, "ep": 2}, False),
+        ({**ONE, "dp_replicate": 8}, False),  # one-GPU groups: no FSDP
+    ]
+    for layout, hooked in layouts:
+        ft = fault_tolerance(evaluate(cfg, layout, cluster), cluster, inputs)
+        step, whole = ft.candidate.step, ft.candidate.step.comm["hsdp_all_reduce"]
+        assert sum(v for k, v in step.comm.items() if k.startswith(("fsdp", "hsdp"))) < step.compute
+        assert ft.sum_in_backward == hooked and ft.sum_seconds == whole
+        # Float reassociation only.
+        assert ft.after_backward == pytest.approx(whole * root if hooked else whole, rel=1e-12)
+        # The quorum's 5 ms on top; the rest of the step as the plan has it (all else hidden).
+        assert ft.modes["every_step"].seconds == pytest.approx(ft.after_backward + 0.005, rel=1e-12)
+    plain = fault_tolerance(evaluate(cfg, {**ONE, "dp_shard": 8}, cluster), cluster, inputs)
+    out = as_dict(plain)
+    assert plain.modes is None and out["every_step"] is None and out["break_even_gpus"] is None
+    assert out["note"].startswith("no replica groups: the layout dp_shard=8 has dp_replicate = 1")
