@@ -7,6 +7,13 @@ from the model (tests/unit/test_plan_guide.py fails when it does). Regenerate wi
 from __future__ import annotations
 
 from kiln.config import config_from_dict
+from kiln.plan.fault_tolerance import (
+    LLAMA3_FAILURES_PER_GPU_HOUR,
+    QUORUM_MS,
+    RESTART_S,
+    STALL_S,
+    SYNC_EVERY,
+)
 from kiln.plan.hardware import (
     COMPUTE_EFFICIENCY,
     NETWORK_EFFICIENCY,
@@ -112,6 +119,38 @@ def dimensions_table() -> list[str]:
     return lines
 
 
+def fault_tolerance_section() -> list[str]:
+    """`kiln plan --fault-tolerance` and its options, with their defaults from the model."""
+    return [
+        "`kiln plan --fault-tolerance` adds, for the layout it picks, what replica groups (its",
+        "dp_replicate groups under `[fault_tolerance]`, [fault_tolerance.md](fault_tolerance.md))",
+        "cost and save: the time they add to each step with every-step sync and with DiLoCo at H",
+        "inner steps, the GPU-hours lost a day to failures with checkpoint restarts and with",
+        "replica groups, and the GPU count above which replica groups lose less. `--json` puts",
+        "it under `fault_tolerance`: each mode's cost as a fraction of the step under `every_step`",
+        "and `diloco`, `break_even_gpus` per mode. A layout with dp_replicate = 1 has no replica",
+        "groups, and the command says so. The model, its terms and a worked example are in",
+        '[fault_tolerance.md](fault_tolerance.md), "When replica groups pay". Its inputs:',
+        "",
+        "| option | what | default |",
+        "|---|---|---|",
+        f"| `--failure-rate` | failures per GPU-hour | {LLAMA3_FAILURES_PER_GPU_HOUR:g} (The Llama 3 "
+        "Herd of Models, 2024, section 3.3.4: 419 unexpected interruptions in 54 days on 16,384 "
+        "H100s) |",
+        "| `--restart-s` | with checkpoint restarts, seconds from a failure to training again | "
+        f"{RESTART_S:g} |",
+        "| `--checkpoint-interval` | steps between checkpoints | the recipe's "
+        "`checkpoint.interval` |",
+        "| `--group-restart-s` | with replica groups, seconds from a failure to the failed group "
+        "training again | `--restart-s` |",
+        f"| `--stall-s` | seconds the surviving groups stall per failure | {STALL_S:g} |",
+        "| `--quorum-ms` | fixed time replica groups add to a step besides the gradient sum "
+        f"(quorum, commit vote, small sums) | {QUORUM_MS:g} |",
+        f"| `--sync-every` | DiLoCo's inner steps between syncs | {SYNC_EVERY} (Streaming DiLoCo's; "
+        "DiLoCo ran 500) |",
+    ]
+
+
 def render() -> str:
     parts = [
         "# Scaling guide",
@@ -182,6 +221,10 @@ def render() -> str:
         "",
         "kiln's `selective` checkpoints every other block: half the recompute of `full`, half its",
         "savings. Pick the lightest mode that fits; the planner does.",
+        "",
+        "## Should replica groups be on?",
+        "",
+        *fault_tolerance_section(),
         "",
         "## How far to trust an estimate, and how to correct it",
         "",
