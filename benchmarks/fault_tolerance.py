@@ -17,9 +17,16 @@ seq_len 64, the demo corpus, no checkpoints. benchmarks/fault_tolerance.md reads
     torch start-up inside it is measured apart: `python -c` importing what `kiln train` imports
     before it reads its config (torch, torchft, kiln's trainer and CLI), same environment.
 (b) and (c) repeat `--cycles` times with one lighthouse and one group 0.
+(d) The cross-group sum after the backward, before and after issue 51's item 1: two replica
+    groups of dp_shard=2 (min_replicas=2), each rank started by benchmarks/replica_sum_kiln.py,
+    which times per step the wait on the cross-group sum after the backward, the cross-group
+    all-reduces inside the backward, the forward/backward and the step. "before": every
+    gradient shard summed after the backward (its --bench-after-backward); "after": kiln as
+    shipped (each FSDP unit's shard from the all-reduce hook). `--sum-rounds` rounds alternate
+    the arms, for each of `--sum-shapes` (the debug model, llama3_125m at batch 1).
 
     PYTHONPATH=. .venv/bin/python benchmarks/fault_tolerance.py [--dp-shard 1] [--rounds 2]
-        [--steps 60] [--cycles 3]
+        [--steps 60] [--cycles 3] [--parts a bc d] [--sum-shapes debug:20 llama3_125m:6]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -124,6 +132,66 @@ def step_time_arms(data: Path, root: Path, args, d: int) -> dict[str, list[float
             flush=True,
         )
     return out
+
+
+# (d): the model shapes measured, and what each needs to fit a few minutes on two cores.
+SUM_SHAPES = {
+    "debug": [],
+    "llama3_125m": ["--model.preset=llama3_125m", "--train.batch_size=1"],
+}
+SUM_ARMS = {"before": ["--bench-after-backward"], "after": []}
+SUM_KEYS = ("after_backward", "in_backward", "forward_backward", "step")
+
+
+def sum_wait_arms(data: Path, root: Path, args, shape: str) -> dict[str, list[dict]]:
+    """(d): per round and arm, the median over steps and ranks of each timing that
+    benchmarks/replica_sum_kiln.py records, and the step time from metrics.jsonl."""
+    d, steps = 2, args.sum_shapes[shape]
+    layout = [
+        "--distributed.dp_replicate=2",
+        f"--distributed.dp_shard={d}",
+        f"--train.max_steps={steps}",
+        "--checkpoint.interval=0",
+        "--scheduler.warmup_steps=0",
+        *SUM_SHAPES[shape],
+    ]
+    out: dict[str, list[dict]] = {arm: [] for arm in SUM_ARMS}
+    for r in range(args.sum_rounds):
+        for arm, flag in SUM_ARMS.items():
+            run = root / f"sum_{shape}_{arm}_{r}"
+            with lighthouse(root / f"lighthouse_{run.name}.txt", min_replicas=2) as house:
+                groups = [
+                    start_ranks(
+                        d,
+                        [*flag, *kiln_args(run, data, *layout, *ft_args(house.address, g))],
+                        root / f"logs_{run.name}_{g}",
+                        module="benchmarks.replica_sum_kiln",
+                    )
+                    for g in (0, 1)
+                ]
+                codes = wait_all(groups[0] + groups[1], timeout=600)
+                assert codes == [0] * (2 * d), f"(d) run failed: {run}"
+            out[arm].append(sum_round(run, d, args.sum_skip))
+            print(
+                f"{shape} round {r} {arm}: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in out[arm][-1].items()),
+                flush=True,
+            )
+    return out
+
+
+def sum_round(run: Path, d: int, skip: int) -> dict[str, float]:
+    """One run's medians: each timing over the committed steps after `skip` and over every
+    rank of both groups; the logged step time over the steps, then the groups."""
+    ranks = []
+    for g in (0, 1):
+        for r in range(d):
+            path = run / f"replica_group_{g}" / f"replica_sum_rank_{r}.json"
+            ranks.append(json.loads(path.read_text())["steps"][skip:])
+    assert all(s["committed"] for rank in ranks for s in rank), f"a step did not commit: {run}"
+    medians = {k: statistics.median(s[k] for rank in ranks for s in rank) for k in SUM_KEYS}
+    logged = [statistics.median(step_seconds(run / f"replica_group_{g}", skip)) for g in (0, 1)]
+    return medians | {"logged_step": statistics.median(logged)}
 
 
 def import_seconds(repeats: int = 3) -> list[float]:
@@ -237,9 +305,25 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of (a)")
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--steps-together", type=int, default=3)
+    parser.add_argument(
+        "--parts", nargs="+", choices=("a", "bc", "d"), default=["a", "bc"], help="what to run"
+    )
+    parser.add_argument(
+        "--sum-shapes",
+        nargs="+",
+        default=["debug:20"],
+        help=f"(d): SHAPE:STEPS, SHAPE one of {', '.join(SUM_SHAPES)}",
+    )
+    parser.add_argument("--sum-rounds", type=int, default=2, help="(d): rounds of both arms")
+    parser.add_argument("--sum-skip", type=int, default=2, help="(d): first steps left out")
     args = parser.parse_args()
+    shapes = [s.partition(":") for s in args.sum_shapes]
+    if any(shape not in SUM_SHAPES or not steps.isdigit() for shape, _, steps in shapes):
+        parser.error(f"--sum-shapes: SHAPE:STEPS, SHAPE one of {', '.join(SUM_SHAPES)}")
+    args.sum_shapes = {shape: int(steps) for shape, _, steps in shapes}
     print(
         f"device: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"torchft {version('torchft')}; "
         f"Python {platform.python_version()}; load average before: {os.getloadavg()}"
     )
     print(
@@ -249,12 +333,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
         data = ensure_demo_corpus(root / "demo", max_bytes=2_000_000)
-        arms = [step_time_arms(data, root, args, d) for d in args.dp_shard]
-        imports = import_seconds()
-        cycles = kill_and_rejoin(data, root, args)
-    for d, arm in zip(args.dp_shard, arms, strict=True):
+        arms = [step_time_arms(data, root, args, d) for d in args.dp_shard if "a" in args.parts]
+        if "bc" in args.parts:
+            imports = import_seconds()
+            cycles = kill_and_rejoin(data, root, args)
+        sums = {s: sum_wait_arms(data, root, args, s) for s in args.sum_shapes if "d" in args.parts}
+    for d, arm in zip(args.dp_shard, arms, strict=False):
         step_table(d, arm, args)
-    cycle_table(cycles, imports)
+    if "bc" in args.parts:
+        cycle_table(cycles, imports)
+    for shape, arm in sums.items():
+        sum_table(shape, arm, args)
     print(f"\nwall time {time.monotonic() - began:.0f} s; load average after: {os.getloadavg()}")
 
 
@@ -273,6 +362,28 @@ def step_table(d: int, arms: dict[str, list[float]], args) -> None:
         f"ratio ft / hsdp per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
         f"extra per step: {median_range([f - h for f, h in zip(ft, hsdp, strict=True)], 1e3, '.1f')} ms"
     )
+
+
+def sum_table(shape: str, arms: dict[str, list[dict]], args) -> None:
+    before, after = arms["before"], arms["after"]
+    print(
+        f"\n(d) {shape}, 2 groups × dp_shard=2, {args.sum_shapes[shape]} steps, the first "
+        f"{args.sum_skip} left out; ms, median over rounds (min-max); ratio after / before per round"
+    )
+    print("| per step | before (sum after the backward) | after (item 1) | ratio per round |")
+    print("|---|---:|---:|---|")
+    for key, what in (
+        ("after_backward", "wait on the cross-group sum after the backward"),
+        ("in_backward", "cross-group all-reduces inside the backward"),
+        ("forward_backward", "forward and backward"),
+        ("step", "TrainStep call"),
+        ("logged_step", "step, metrics.jsonl (tokens / tokens_per_sec)"),
+    ):
+        b, a = [r[key] for r in before], [r[key] for r in after]
+        ratios = ", ".join(f"{y / x:.2f}" if x > 0 else "-" for x, y in zip(b, a, strict=True))
+        print(
+            f"| {what} | {median_range(b, 1e3, '.1f')} | {median_range(a, 1e3, '.1f')} | {ratios} |"
+        )
 
 
 def cycle_table(cycles: list[dict], imports: list[float]) -> None:
