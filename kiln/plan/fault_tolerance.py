@@ -5,13 +5,14 @@ A failure of one GPU costs, with checkpoint restarts, every GPU the restart R an
 a checkpoint interval I; with replica groups (the layout's dp_replicate groups of n GPUs), the
 failed group's restart R_g and the survivors' stall S. Replica groups cost o on every step:
 
-  every step   the cross-group sum of the gradients. Under FSDP without expert parallel it runs
-               in the backward as HSDP's all-reduce does (FSDP2's all-reduce hook,
-               kiln/parallel/replica_groups.py), so the overlap rule (throughput.py) applies to
-               it, but for the root unit's share (embeddings, final norm, head): that unit is
-               reduced last, after the backward, with nothing left to hide it. Elsewhere (ep > 1,
-               groups of one GPU: no FSDP) the whole sum runs after the backward. Plus the fixed
-               per-step time (quorum round trip, commit vote, the small sums).
+  every step   the cross-group sum of the gradients. In groups of more than one GPU (FSDP wraps
+               them) without expert parallel it runs in the backward as HSDP's all-reduce does
+               (FSDP2's all-reduce hook, kiln/parallel/replica_groups.py), so the overlap rule
+               (throughput.py) applies to it, but for the root unit's share (embeddings, final
+               norm, head): that unit is reduced last, after the backward, with nothing left to
+               hide it. Elsewhere (ep > 1, groups of one GPU: no FSDP) the whole sum runs after
+               the backward. Plus the fixed per-step time (quorum round trip, commit vote, the
+               small sums).
   DiLoCo at H  no sum in the step; every H steps one all-reduce of a step's gradient size (the
                pseudo-gradient, fp32 shards) and the fixed time, exposed: both / H per step. A
                failed group also loses its inner steps since the last sync, H/2 on average.
