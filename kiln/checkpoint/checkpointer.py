@@ -105,8 +105,8 @@ def load_checkpoint(
         keys = _saved_keys(path)
         if optimizer is not None and not any(key.startswith("optim.") for key in keys):
             raise KilnError(
-                f"{path} holds model weights only (a converted or exported model), no optimizer "
-                "state: load it as a warm start with checkpoint.model_only = true"
+                f"{path} holds model weights only (a converted, exported or averaged model), no "
+                "optimizer state: load it as a warm start with checkpoint.model_only = true"
             ) from None
         if optimizer is not None and _has_indexed_optimizer_state(keys):
             raise KilnError(

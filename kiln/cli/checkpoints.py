@@ -1,7 +1,9 @@
-"""`kiln generate` and `kiln convert`: using and exporting a trained checkpoint."""
+"""`kiln generate`, `kiln convert` and `kiln average`: using, exporting and averaging trained
+checkpoints."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -82,6 +84,35 @@ def add_parsers(subcommand) -> None:
     )
     convert.set_defaults(run=cmd_convert)
 
+    average = subcommand(
+        "average",
+        help="write a checkpoint holding the mean of several checkpoints' weights",
+        description="Average the weights of checkpoints of one model (any layout wrote them) "
+        "into a new checkpoint without optimizer state: it loads in kiln generate, eval and "
+        "convert, and warm-starts a run as checkpoint.load_path.",
+        epilog=docs("checkpoints.md"),
+    )
+    average.add_argument(
+        "source", help="a run directory or its checkpoints folder (a path or an s3:// URL)"
+    )
+    chosen = average.add_mutually_exclusive_group(required=True)
+    chosen.add_argument(
+        "--last", type=int, metavar="K", help="the newest K intact checkpoints (K >= 2)"
+    )
+    chosen.add_argument(
+        "--steps",
+        type=_steps,
+        metavar="A,B,...",
+        help="the checkpoints of these steps, e.g. 400,450,500",
+    )
+    average.add_argument(
+        "--output",
+        default=None,
+        help="new checkpoint folder (default: average_<first>-<last> in the checkpoints "
+        "folder, which a resume never takes for one of the run's steps)",
+    )
+    average.set_defaults(run=cmd_average)
+
 
 def cmd_generate(args) -> int:
     import torch
@@ -153,4 +184,28 @@ def cmd_convert(args) -> int:
             args.source, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size
         )
     print(f"wrote {out}")
+    return 0
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected step numbers separated by commas, e.g. 400,450,500"
+        ) from None
+
+
+def cmd_average(args) -> int:
+    from kiln.checkpoint.average import average_checkpoints
+
+    averaged = average_checkpoints(
+        args.source, last=args.last, steps=args.steps, output=args.output
+    )
+    for path in averaged.sources:
+        print(f"averaged {path}")
+    print(
+        f"wrote {averaged.path}: the mean of {len(averaged.sources)} checkpoints' weights, no "
+        "optimizer state (start a run from it with checkpoint.load_path)"
+    )
     return 0
