@@ -1,6 +1,7 @@
 """One run carried through four layouts: a Hugging Face model converted to kiln is the
 warm start of a `dp_shard=4` job, whose checkpoints resume as `tp=2 × dp_shard=2`, then
-`pp=2 × dp_shard=2`, then one process; every step matches one process that ran it all."""
+`pp=2 × dp_shard=2`, then one process; every step matches one process that ran it all, and
+`kiln average` of the last two (pp=2 × dp_shard=2 and one process) is their exact mean."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 from kiln.checkpoint.hf_convert import hf_to_kiln
+from kiln.cli import main
 from tests.distributed.parity import GLOBAL_BATCH, assert_parity, records
+from tests.unit.test_checkpoint_average import assert_exact_average
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,6 +77,11 @@ def test_checkpoints_move_through_four_layouts(tmp_path, train):
         if index > 0:  # each leg continues the previous leg's newest checkpoint
             newest = moved / "checkpoints" / f"step_{SEGMENT * index:08d}"
             assert f"kiln: resumed from {newest} (step {SEGMENT * index})" in outputs[0]
+    # The two checkpoints kept (keep_last_n = 2) were written by pp=2 × dp_shard=2 and by one
+    # process: `kiln average` reads both into one process and writes their exact mean.
+    kept = [moved / "checkpoints" / f"step_{step:08d}" for step in (steps - SEGMENT, steps)]
+    assert main(["average", str(moved), "--last", "2", "--output", str(tmp_path / "avg")]) == 0
+    assert_exact_average(tmp_path / "avg" / kept[-1].name, kept, tmp_path)
     moved_records = records(moved)
     assert sorted(moved_records) == list(range(1, steps + 1))
     assert_parity(
