@@ -14,6 +14,9 @@ Per step (one `TrainStep` call) the file holds, in seconds: `step` (the whole ca
 with the hook's cross-group sums where they run), `in_backward` (the cross-group all-reduces
 issued and waited on inside the forward/backward) and `after_backward` (the cross-group sum
 after the backward: `sum_gradients` with the loss and flags, or the loss-and-flags `sum`).
+On a GPU the host runs ahead of the streams, so the forward/backward and the sum after it end
+with a device synchronize (the backward's all-reduces on FSDP's stream, the root unit's last,
+are then inside `forward_backward`), and `in_backward` is only the host's time issuing them.
 
     python -m benchmarks.replica_sum_kiln train [--bench-after-backward] RECIPE [OVERRIDES]
 """
@@ -26,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torchft
 
 import kiln.train.trainer as trainer_module
@@ -91,6 +95,7 @@ def timed(timings: Timings) -> Timings:
         try:
             return fb_call(self, *args, **kwargs)
         finally:
+            _synchronize()
             timings.add("forward_backward", time.monotonic() - start)
             timings.in_forward_backward = False
 
@@ -107,6 +112,7 @@ def timed(timings: Timings) -> Timings:
         # inside sum_gradients, a bucket (timed there as a whole).
         start = time.monotonic()
         group_sum(self, tensors)
+        _synchronize()
         if len(tensors) == 2 and not timings.in_sum_gradients:
             timings.add("after_backward", time.monotonic() - start)
 
@@ -116,6 +122,7 @@ def timed(timings: Timings) -> Timings:
         try:
             sum_gradients(self, params, extra)
         finally:
+            _synchronize()
             timings.add("after_backward", time.monotonic() - start)
             timings.in_sum_gradients = False
 
@@ -124,6 +131,11 @@ def timed(timings: Timings) -> Timings:
     torchft.Manager.allreduce = managed_allreduce
     ReplicaGroups.sum, ReplicaGroups.sum_gradients = summed, summed_gradients
     return timings
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class _TimedWork:
