@@ -75,8 +75,8 @@ def average_checkpoints(
         for name, tensor in model.state_dict().items():
             tensor.copy_(means[name])
     tokenizer = find_tokenizer(chosen[-1])
-    train_state = {
-        "tokens_seen": read_train_state(chosen[-1]).get("tokens_seen"),
+    seen = {k: v for k, v in read_train_state(chosen[-1]).items() if k == "tokens_seen"}
+    train_state = seen | {
         "averaged": [{"step": _step(path), "path": str(path)} for path in chosen],
         "optimizer": NO_OPTIMIZER,
     }
