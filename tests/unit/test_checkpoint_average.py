@@ -1,7 +1,7 @@
-"""`kiln average`: the mean of checkpoints saved in different layouts, exactly; the average
-generates, warm-starts a run and is not taken for a step by resume; checkpoints of different
-models, or fewer than asked for, are one message with nothing written; from and to S3.
-A multi-rank layout (pp=2 × dp_shard=2 against one process) is averaged in
+"""`kiln average`: the mean of a whole-model checkpoint and one saved as two pipeline stages,
+exactly; the average generates, warm-starts a run and is not taken for a step by resume;
+checkpoints of different models, or fewer than asked for, are one message with nothing written;
+from and to S3. A multi-rank layout (pp=2 × dp_shard=2 against one process) is averaged in
 tests/distributed/test_resharding.py, on the checkpoints that test already writes."""
 
 from __future__ import annotations
