@@ -16,7 +16,15 @@ from typing import Any, Literal
 EVENTS_FILE = "events.jsonl"
 
 Event = Literal[
-    "checkpoint", "resume", "nan_skip", "rollback", "stop", "quorum", "not_committed", "preflight"
+    "checkpoint",
+    "resume",
+    "nan_skip",
+    "rollback",
+    "stop",
+    "quorum",
+    "not_committed",
+    "preflight",
+    "export_hf",
 ]
 
 

@@ -21,7 +21,7 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,18 +188,21 @@ def resume_candidates(root: Location | str) -> tuple[Location | None, list[Skipp
     return None, skipped
 
 
-def prune(root: Location | str, keep_last_n: int, *, keep: Location) -> None:
+def prune(
+    root: Location | str, keep_last_n: int, *, keep: Location, busy: Collection[Location] = ()
+) -> None:
     """Keep the newest `keep_last_n` intact checkpoints (0 keeps everything) and delete the
     complete ones older than them; `keep`, the one just written, always stays and counts. A
     damaged checkpoint newer than those kept is not counted (it cannot be resumed from) and stays
-    for a person to look at; the run overwrites it when it saves that step again."""
+    for a person to look at; the run overwrites it when it saves that step again. A `busy` one
+    (a Hugging Face export reads it) stays until a later prune."""
     if keep_last_n <= 0:
         return
     root = location(root)
     intact = 0
     for _, path in reversed(complete_steps(root)):
         if intact >= keep_last_n:
-            if path != keep:
+            if path != keep and path not in busy:
                 store_for(root).remove(path)
         elif path == keep or damage(path) is None:
             intact += 1

@@ -20,6 +20,7 @@ import torch
 
 from kiln.checkpoint.checkpointer import load_checkpoint, read_model_config, read_train_state
 from kiln.checkpoint.fingerprint import fingerprint_changes
+from kiln.checkpoint.hf_export import HfExporter, check_exportable
 from kiln.checkpoint.layout import (
     Skipped,
     complete_steps,
@@ -89,6 +90,9 @@ class CheckpointManager:
         self.fault_tolerant = cfg.fault_tolerance.enabled
         self.lighthouse = cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self.lease: Lease | None = None
+        self.export_hf, self.max_steps = self.cfg.export_hf, cfg.train.max_steps
+        self.exporter: HfExporter | None = None
+        self.last_committed: SaveRecord | None = None  # by this process
 
     def check_sources(self) -> None:
         """Before anything is built: what to load exists, and no other run's checkpoints are in
@@ -96,6 +100,7 @@ class CheckpointManager:
         decide_on_main(self._check_sources, what="use the checkpoint settings")
 
     def _check_sources(self) -> None:
+        check_exportable(self.export_hf, self.model)
         if self.cfg.load_path:
             resolve_checkpoint(self.cfg.load_path)
         if self.cfg.resume == "never" and latest_complete(self.dir) is not None:
@@ -225,6 +230,11 @@ class CheckpointManager:
             device=self.device,
             timeout_s=collective_timeout_s,
         )
+        if self.export_hf != "never" and is_main():
+            self.exporter = HfExporter(
+                self.dir, keep_last_n=self.cfg.keep_last_n, events=self.events
+            )
+            self.saver.busy = self.exporter.busy
         if self.will_save:
             check_one_filesystem(self.dir)
             # The other ranks wait for the lease in a collective: its timeout bounds the wait.
@@ -285,6 +295,9 @@ class CheckpointManager:
             write_s=round(record.write_s, 4),
             path=record.path,
         )
+        self.last_committed = record
+        if self.exporter is not None and self.export_hf == "every_save":
+            self.exporter.start(record.path)
 
     @property
     def stop_save_seconds(self) -> float:
@@ -305,6 +318,11 @@ class CheckpointManager:
         """Collective: commit the save in flight, release the saver and the location's lease."""
         if self.saver is not None:
             self._committed(self.saver.close(after_step=after_step))
+        if self.exporter is not None:
+            final = self.last_committed
+            if self.export_hf == "final" and final and final.step == self.max_steps:
+                self.exporter.start(final.path)
+            self.exporter.finish()  # before the lease goes: the export reads the checkpoint
         if self.lease is not None:
             self.lease.release()
 

@@ -102,6 +102,8 @@ class CheckpointSaver:
         # Raises an OSError when another run took the location over (the run's lease, set by
         # CheckpointManager on rank 0): checked before a save writes and before it commits.
         self.still_owned: Callable[[], None] = lambda: None
+        # The checkpoints a Hugging Face export reads (rank 0): retention leaves them for now.
+        self.busy: Callable[[], set[Location]] = set
         # Wall time of the last save from its start until written (the background part too).
         self.last_seconds = 0.0
         self._group = self._stager = None
@@ -301,7 +303,7 @@ class CheckpointSaver:
         # Retention is best effort (on disk an rmtree that ignores errors): failing to delete an
         # old step must not undo the commit just made, which _attempt would on an OSError.
         with contextlib.suppress(OSError):
-            layout.prune(self.root, self.keep_last_n, keep=final)
+            layout.prune(self.root, self.keep_last_n, keep=final, busy=self.busy())
 
     def _attempt(self, step: int, action) -> str | None:
         """Run `action`; on an OS error return the message that every rank will raise."""

@@ -35,6 +35,8 @@ PipelineSchedule = Literal[SingleStageSchedule, MultiStageSchedule]
 AsyncMode = Literal["disabled", "async", "async_process"]
 ResumeMode = Literal["auto", "never", "force"]
 ExportDtype = Literal["float32", "bfloat16", "float16"]
+# Which checkpoints the run also writes as a Hugging Face folder (kiln/checkpoint/hf_export.py).
+ExportHf = Literal["never", "final", "every_save"]
 NanAction = Literal["stop", "rollback"]
 WandbMode = Literal["online", "offline", "disabled"]
 
@@ -342,6 +344,7 @@ class CheckpointConfig:
     load_path: str = ""
     model_only: bool = True
     export_dtype: ExportDtype = "float32"
+    export_hf: ExportHf = "never"
 
 
 @dataclass
