@@ -38,6 +38,7 @@ ExportDtype = Literal["float32", "bfloat16", "float16"]
 # Which checkpoints the run also writes as a Hugging Face folder (kiln/checkpoint/hf_export.py).
 ExportHf = Literal["never", "final", "every_save"]
 NanAction = Literal["stop", "rollback"]
+SpikeAction = Literal["none", "skip"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 
@@ -354,6 +355,15 @@ class ResilienceConfig:
     collective_timeout_s: float = 600.0
     step_timeout_s: float = 1800.0
     debug_nan_steps: list[int] = field(default_factory=list)
+    # Loss-spike skipping (kiln/resilience/spike_guard.py): "skip" leaves out the update of a step
+    # whose loss or gradient norm stands more than its sigmas standard deviations above the mean
+    # of the last spike_window applied steps; spike_max_consecutive in a row then stop or roll
+    # back as nan_action says.
+    spike_action: SpikeAction = "none"
+    spike_window: int = 100
+    spike_loss_sigmas: float = 6.0
+    spike_grad_norm_sigmas: float = 6.0
+    spike_max_consecutive: int = 5
     # Check every rank before training (kiln/resilience/health.py): on CUDA a timed bf16 matmul
     # per GPU and its ECC counter, on several ranks a timed all-reduce over the world and each
     # mesh dimension. A rank that fails or never arrives stops the job at start-up, naming it,

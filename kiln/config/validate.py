@@ -21,6 +21,7 @@ from kiln.config.validate_float8 import float8_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
 from kiln.config.validate_observability import observability_problems
 from kiln.config.validate_optimizer import optimizer_problems
+from kiln.config.validate_spikes import spike_problems
 from kiln.errors import ConfigError
 
 LAYOUT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
@@ -41,6 +42,7 @@ def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems += optimizer_problems(cfg) + float8_problems(cfg)
     problems += _data_problems(cfg) + _eval_problems(cfg) + eval_task_problems(cfg)
     problems += observability_problems(cfg, world_size) + fault_tolerance_problems(cfg)
+    problems += spike_problems(cfg)
     return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
 
 

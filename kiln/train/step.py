@@ -8,6 +8,7 @@ losses, expert-parallel traffic, MoE balancing) plug in as hooks (kiln/train/ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
@@ -34,6 +35,7 @@ from kiln.parallel.mixed_precision import training_autocast
 from kiln.parallel.pipeline import tied_weights
 from kiln.parallel.replica_groups import ReplicaGroups
 from kiln.resilience.nan_injection import NanInjection
+from kiln.resilience.spike_guard import Crossed, SpikeGuard
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
 from kiln.train.loss import chunked_token_loss_sum, count_valid, token_loss_sum
@@ -63,6 +65,10 @@ class StepResult(NamedTuple):
     param_grad_norms: ParamGradNorms | None = None
     # Fault tolerance: False when a replica group failed during the step (nothing updated).
     committed: bool = True
+    # Loss-spike skipping: the thresholds the step crossed (then its update was skipped), and
+    # whether resilience.spike_max_consecutive spikes came in a row.
+    spike: tuple[Crossed, ...] = ()
+    spike_limit: bool = False
 
 
 class TrainStep:
@@ -88,6 +94,7 @@ class TrainStep:
         self.duplicates = self.tied.duplicates if self.tied is not None else ()
         # A mixture's datasets share one tokenizer (checked at start-up), so one EOS id.
         self.eos_id = sources[0].eos_id
+        self.spikes = SpikeGuard(cfg.resilience) if cfg.resilience.spike_action == "skip" else None
         self.nan_injection = NanInjection(
             cfg.resilience.debug_nan_steps, rank=parallel.rank, world_size=parallel.world_size
         )
@@ -170,10 +177,14 @@ class TrainStep:
             flags = replace(flags, stop=bool(stops[0] > 0), time_up=bool(stops[1] > 0))
         grad_norm, per_param = self._clip()
         loss = total / valid
-        agreed = self._agree(loss, grad_norm, flags)
+        values, crossed = self._spike_check(loss, grad_norm)
+        agreed = self._agree(loss, grad_norm, flags, spike=bool(crossed))
         committed = self.replicas.commit(step) if self.replicas is not None else True
-        skip = agreed["non_finite"] or not committed
+        skip = agreed["non_finite"] or agreed["spike"] or not committed
         lr = self._update(step, skip=skip)
+        limit = False
+        if values is not None and committed and not agreed["non_finite"]:
+            limit = self.spikes.record(*values, skipped=agreed["spike"])
         for hook in self.hooks:
             hook.after_update(skipped=skip)
         tokens = sum(inputs.numel() for inputs, _ in read) * self._live_data_ranks()
@@ -188,6 +199,8 @@ class TrainStep:
             save_written=not agreed["save_pending"],
             param_grad_norms=per_param,
             committed=committed,
+            spike=tuple(crossed) if agreed["spike"] else (),
+            spike_limit=limit,
         )
 
     def _params(self) -> list[nn.Parameter]:
@@ -217,16 +230,37 @@ class TrainStep:
         )
         return grad_norm, per_param
 
+    def _spike_check(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor
+    ) -> tuple[tuple[float, float] | None, list[Crossed]]:
+        """With spike skipping on: the step's loss and gradient norm on the host (one more read
+        a step) and the thresholds they cross; non-finite values are the NaN guard's."""
+        if self.spikes is None:
+            return None, []
+        values = torch.stack([loss.double(), grad_norm.double()]).tolist()
+        if not all(map(math.isfinite, values)):
+            return None, []
+        return (values[0], values[1]), self.spikes.crossed(*values)
+
     def _agree(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, flags: StepFlags
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, flags: StepFlags, *, spike: bool
     ) -> dict[str, bool]:
-        """Whether any rank saw a non-finite loss or gradient norm, or set a flag."""
+        """Whether any rank saw a non-finite loss or gradient norm or a spike, or set a flag."""
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.parallel.world_size == 1:
             # Nothing to agree on: the host flags stay on the host (each would be a copy to the
             # GPU that waits for it) and the one read of `finite` is the step's one wait.
-            return {"non_finite": not bool(finite)} | asdict(flags)
-        return any_rank({"non_finite": ~finite, **asdict(flags)}, device=self.device)
+            return {"non_finite": not bool(finite), "spike": spike} | asdict(flags)
+        agreed = {"non_finite": ~finite, "spike": spike, **asdict(flags)}
+        return any_rank(agreed, device=self.device)
+
+    def state_dict(self) -> dict:
+        """What a resume needs of the step beside the data position: the spike history."""
+        return {"spike_guard": self.spikes.state_dict()} if self.spikes is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.spikes is not None and "spike_guard" in state:
+            self.spikes.load_state_dict(state["spike_guard"])
 
     def records(self) -> dict[str, float]:
         """What the step's hooks add to a logged step (per-dataset losses, expert-parallel

@@ -33,7 +33,7 @@ from kiln.parallel.mesh import init_training_parallel
 from kiln.parallel.replica_groups import group_run_config, join_replica_groups
 from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog, flight_recorder, health
 from kiln.resilience.time_limit import TimeLimit
-from kiln.train.non_finite import report_skipped, roll_back
+from kiln.train.non_finite import report_skipped, roll_back, skip_action
 from kiln.train.optimizer import build_optimizers
 from kiln.train.preflight import check_stop_at_step
 from kiln.train.run_data import open_run_data
@@ -135,11 +135,7 @@ class Trainer:
         return records
 
     def _loop(
-        self,
-        preemption: PreemptionFlag,
-        watchdog: StepWatchdog,
-        log: StepLog,
-        profiler: StepProfiler,
+        self, preemption: PreemptionFlag, watchdog: StepWatchdog, log: StepLog, prof: StepProfiler
     ) -> list[dict]:
         cfg = self.cfg.train
         last_step = min(cfg.stop_at_step or cfg.max_steps, cfg.max_steps)
@@ -148,7 +144,7 @@ class Trainer:
             began = time.perf_counter()
             if self.step + 1 > first_step:  # the first step compiles and warms up: no bound on it
                 watchdog.arm(self.step + 1)
-            profiler.before_step(self.step + 1)
+            prof.before_step(self.step + 1)
             # train.time_limit_minutes, decided on rank 0 (the flag is agreed in the step).
             time_up = self.time_limit.expiring(
                 step_seconds=max(self.iteration_seconds, default=0.0),
@@ -163,14 +159,14 @@ class Trainer:
             log.add(result.loss, result.tokens)
             if log.due(self.step):
                 records.append(self._log(result, log))
-            action = self.nan_guard.update(finite=result.finite)
-            if action != "ok" and self._non_finite_step(action, result, log):
+            action = skip_action(self.nan_guard, result, after=self.cfg.resilience.nan_action)
+            if action != "ok" and self._skipped_step(action, result, log):
                 continue  # rolled back: nothing of this step to checkpoint
             if result.save_written:  # a save in flight at the step's start is written everywhere
                 log.excluding(lambda: self.checkpoints.finish_save(after_step=self.step))
             if self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0:
                 log.excluding(self.save)  # saving is not training time; async returns once staged
-            profiler.after_step(self.step)  # the step's checkpoint is in its trace
+            prof.after_step(self.step)  # the step's checkpoint is in its trace
             self.iteration_seconds.append(time.perf_counter() - began)
             if result.stop:
                 raise self.end.preempted(self.step, preemption.received)
@@ -216,6 +212,7 @@ class Trainer:
     def _continue_from(self, state: dict) -> None:
         self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
         self.loader.load_state_dict(state)
+        self.step_fn.load_state_dict(state)
 
     def _peer_state(self) -> dict:
         """What a live group sends a rejoining one, at a step boundary."""
@@ -255,16 +252,17 @@ class Trainer:
             log.logger.log(record)
         return record
 
-    def _non_finite_step(self, action: str, result: StepResult, log: StepLog) -> bool:
-        """The update of this step was skipped; after too many in a row (`action` 'stop' or
-        'rollback'), stop or roll back (then return True)."""
-        guard, main = self.nan_guard, self.parallel.is_main
-        report_skipped(guard, result, step=self.step, events=self.events, is_main=main)
+    def _skipped_step(self, action: str, result: StepResult, log: StepLog) -> bool:
+        """The update of this step was skipped (not finite, or a spike); after too many in a row
+        (`action` 'stop' or 'rollback'), stop or roll back (then return True)."""
+        guard, spikes, main = self.nan_guard, self.step_fn.spikes, self.parallel.is_main
+        said = {"step": self.step, "events": self.events, "is_main": main}
+        counted = report_skipped(guard, spikes, result, **said)
         if action == "stop":
             self.end.close(self.step, "resilience.nan_action")
-            raise KilnError(guard.stop_message(self.step, newest=self.checkpoints.newest()))
+            raise KilnError(counted.stop_message(self.step, newest=self.checkpoints.newest()))
         if action == "rollback":
-            parts = {"model": self.model_parts, "optimizer": self.optimizers}
+            parts = {"model": self.model_parts, "optimizer": self.optimizers, "spikes": spikes}
             state = roll_back(self.checkpoints, guard, at_step=self.step, is_main=main, **parts)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             log.rolled_back_to(self.step)
@@ -293,7 +291,7 @@ class Trainer:
 
     def _train_state(self) -> dict:
         """Where the run is: the data position, the tokens trained on, the run's settings."""
-        data = self.loader.state_dict()
+        data = self.loader.state_dict() | self.step_fn.state_dict()
         return data | {"tokens_seen": self.tokens_seen, "fingerprint": self.fingerprint()}
 
     def fingerprint(self) -> dict:
