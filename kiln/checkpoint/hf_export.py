@@ -98,6 +98,9 @@ class HfExporter:
                     return
             try:
                 self._export(step_dir)
+            except Exception as error:  # e.g. no memory to start the process: the run goes on
+                warn(f"the Hugging Face export of {step_dir} failed: {first_line(error)}")
+                self.events.write("export_hf", step=_step(step_dir), error=first_line(error))
             finally:
                 with self._lock:
                     self._running = None
