@@ -25,16 +25,24 @@ from kiln.errors import ConfigError, KilnError, first_line
 from kiln.events import EventLog
 from kiln.log import info, warn
 from kiln.model.registry import family_of
+from kiln.remote import is_url
 
 # The exports' folder in the checkpoint folder: <checkpoint.dir>/hf/step_XXXXXXXX.
 EXPORT_DIR = "hf"
 
 
-def check_exportable(export_hf: str, model: ModelConfig) -> None:
+def check_exportable(export_hf: str, model: ModelConfig, *, directory: str) -> None:
     """ConfigError when `checkpoint.export_hf` asks for a model its family cannot export (what
-    `kiln convert kiln-to-hf` would refuse), before anything is built or written."""
+    `kiln convert kiln-to-hf` would refuse) or beside checkpoints in an object store, before
+    anything is built or written."""
     if export_hf == "never":
         return
+    if is_url(directory):
+        raise ConfigError(
+            f'checkpoint.export_hf = "{export_hf}" writes a local folder beside the checkpoints, '
+            f"but checkpoint.dir = {directory!r} is in an object store; leave export_hf out and "
+            "run `kiln convert kiln-to-hf CKPT OUT` on the checkpoint after the run"
+        )
     try:
         family_of(model).export_adapter(model)
     except KilnError as error:

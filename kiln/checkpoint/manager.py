@@ -100,7 +100,7 @@ class CheckpointManager:
         decide_on_main(self._check_sources, what="use the checkpoint settings")
 
     def _check_sources(self) -> None:
-        check_exportable(self.export_hf, self.model)
+        check_exportable(self.export_hf, self.model, directory=str(self.dir))
         if self.cfg.load_path:
             resolve_checkpoint(self.cfg.load_path)
         if self.cfg.resume == "never" and latest_complete(self.dir) is not None:

@@ -1,10 +1,10 @@
 """Checks of `checkpoint.export_hf` that need only the config. Whether the model's family can
-export it is asked of the family (kiln/checkpoint/hf_export.py, before anything is built)."""
+export it, and whether checkpoint.dir is local, are checked by kiln/checkpoint/hf_export.py
+before anything is built (config imports nothing above it)."""
 
 from __future__ import annotations
 
 from kiln.config.sections import JobConfig
-from kiln.remote import is_url
 
 
 def export_hf_problems(cfg: JobConfig) -> list[str]:
@@ -14,12 +14,6 @@ def export_hf_problems(cfg: JobConfig) -> list[str]:
         return []
     key = f'checkpoint.export_hf = "{c.export_hf}"'
     p = []
-    if is_url(c.dir):
-        p.append(
-            f"{key} writes a local folder beside the checkpoints, but checkpoint.dir = "
-            f"{c.dir!r} is in an object store; leave export_hf out and run `kiln convert "
-            "kiln-to-hf CKPT OUT` on the checkpoint after the run"
-        )
     if c.export_hf == "final" and not c.save_final:
         p.append(
             f"{key} exports the checkpoint the run's end commits, but checkpoint.save_final = "

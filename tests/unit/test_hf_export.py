@@ -107,5 +107,6 @@ def test_export_hf_of_a_model_kiln_cannot_export_is_one_message(debug_overrides,
     overrides = [*debug_overrides, "--checkpoint.export_hf=final", "--checkpoint.save_final=false"]
     with pytest.raises(ConfigError, match="set save_final = true"):
         load_config(DEBUG_CONFIG, overrides, world_size=1)
+    s3 = load_config(DEBUG_CONFIG, [*overrides[:-1], "--checkpoint.dir=s3://b/run"], world_size=1)
     with pytest.raises(ConfigError, match="in an object store"):
-        load_config(DEBUG_CONFIG, [*overrides[:-1], "--checkpoint.dir=s3://b/run"], world_size=1)
+        Trainer(s3)  # refused before any store is reached
