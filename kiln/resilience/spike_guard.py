@@ -6,7 +6,7 @@ values (every rank computes the same), and travels in the checkpoint, so a resum
 
 from __future__ import annotations
 
-import statistics
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -42,7 +42,9 @@ class SpikeGuard:
         out = []
         for index, (metric, value) in enumerate(zip(METRICS, (loss, grad_norm), strict=True)):
             past = [entry[index] for entry in self.history]
-            mean, std = statistics.fmean(past), statistics.pstdev(past)
+            # Correctly rounded sums (fsum): the same on every rank and machine, in any order.
+            mean = math.fsum(past) / len(past)
+            std = math.sqrt(math.fsum((x - mean) ** 2 for x in past) / len(past))
             if value > mean + self.sigmas[metric] * std:
                 out.append(Crossed(metric, value, mean, std, self.sigmas[metric]))
         return out

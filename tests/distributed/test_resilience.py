@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.events import read_events
 from tests.distributed.launch import (
     kiln_args,
     log,
@@ -132,43 +133,65 @@ def _children(pid: int) -> list[int]:
 
 
 def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(gangs, tmp_path, demo_data):
+    """Then a loss spike (test-side: step 13's reported gradient norm), skipped on both ranks,
+    after a rollback that took the spike history from the checkpoint."""
     run = tmp_path / "run"
     overrides = [
-        "--train.max_steps=10",
+        "--train.max_steps=14",
         "--train.batch_size=2",
         "--checkpoint.interval=4",
         "--resilience.debug_nan_steps=[3, 7, 8]",
         "--resilience.nan_max_consecutive=2",
         "--resilience.nan_action='rollback'",
+        "--resilience.spike_action=skip",
+        "--resilience.spike_window=10",
     ]
     # Rank 1 cannot list the checkpoint folder (a throttled or lagging view of the store): the
     # rollback still loads what rank 0 chose, since no other rank lists or judges a checkpoint.
     log, _ = gangs.run(
-        2, kiln_train_where_rank_1_cannot_list, kiln_args(run, demo_data, *overrides)
+        2, kiln_train_with_a_spike_where_rank_1_cannot_list, kiln_args(run, demo_data, *overrides)
     )
     assert "step 3: non-finite loss" in log and "(1 in a row" in log
     assert "rolled back from step 8 to" in log and "step_00000004" in log
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["step"] for r in records] == list(range(1, 15))
     assert math.isnan(records[2]["loss"]) and math.isfinite(records[3]["loss"])
     assert records[-1]["skipped_steps"] == 3
+    spikes = [e for e in read_events(run) if e["event"] == "spike_skip"]
+    assert [e["step"] for e in spikes] == [SPIKE_STEP] and "step 13: loss spike" in log
 
 
-def kiln_train_where_rank_1_cannot_list(args: list[str]) -> None:
-    """`kiln train ARGS` where every listing or lookup of rank 1 in the checkpoint store fails."""
+SPIKE_STEP = 13
+
+
+def kiln_train_with_a_spike_where_rank_1_cannot_list(args: list[str]) -> None:
+    """`kiln train ARGS` where every listing or lookup of rank 1 in the checkpoint store fails,
+    and step SPIKE_STEP reports a gradient norm 1000 times the true one on every rank."""
+    import kiln.train.step as step_module
     from kiln.checkpoint.store import LocalStore
 
     def refused(self, path, *args):
         raise OSError(f"rank 1 may not look at {path}")
+
+    current, call, clip = [0], step_module.TrainStep.__call__, step_module.clip_grad_norm
+
+    def calling(self, batch, *, step, flags):
+        current[0] = step
+        return call(self, batch, step=step, flags=flags)
+
+    def clipping(*args, **kwargs):
+        return clip(*args, **kwargs) * (1000 if current[0] == SPIKE_STEP else 1)
 
     names = ("children", "files", "exists", "is_file")
     real = {name: getattr(LocalStore, name) for name in names}
     if os.environ["RANK"] == "1":
         for name in names:
             setattr(LocalStore, name, refused)
+    step_module.TrainStep.__call__, step_module.clip_grad_norm = calling, clipping
     try:
         kiln_train(args)
     finally:
+        step_module.TrainStep.__call__, step_module.clip_grad_norm = call, clip
         for name, method in real.items():
             setattr(LocalStore, name, method)
 

@@ -1,0 +1,74 @@
+"""The per-step cost of loss-spike skipping (`resilience.spike_action = "skip"`) on CPU.
+
+Two trainers of one recipe side by side, spike skipping off and on (window 100, full after its
+first 100 steps, which the warm-up runs), alternating blocks of steps so drift in machine load
+hits both alike; then the detector's host work alone (`SpikeGuard.crossed` and `record` on a full
+window), timed apart. What the step adds besides: one read of the loss and gradient norm a step,
+which on a GPU is a wait for the device (on CPU it is not).
+
+    python benchmarks/spike_cost.py --steps 30 --repeats 7 [--config RECIPE] [--section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import timeit
+
+from kiln.config import load_config
+from kiln.config.sections import ResilienceConfig
+from kiln.resilience.spike_guard import SpikeGuard
+from kiln.train.trainer import Trainer
+from overhead import time_steps
+
+WINDOW = 100
+
+
+def trainer(config: str, overrides: list[str], *extra: str) -> Trainer:
+    run_dir = tempfile.mkdtemp(prefix="kiln-spike-cost-")
+    args = [*overrides, f"--metrics.run_dir={run_dir}", "--checkpoint.interval=0", *extra]
+    cfg = load_config(config, args)
+    cfg.train.max_steps = 10**9  # the LR schedule keeps going; nothing here ends the run
+    return Trainer(cfg)
+
+
+def detector_us(repeats: int = 20_000) -> float:
+    """Microseconds of the detector's host work a step, on a full window."""
+    guard = SpikeGuard(ResilienceConfig(spike_action="skip", spike_window=WINDOW))
+    for i in range(WINDOW):
+        guard.record(3.0 + 1e-3 * (i % 7), 1.0 + 1e-3 * (i % 5), skipped=False)
+
+    def one_step():
+        guard.crossed(3.001, 1.002)
+        guard.record(3.001, 1.002, skipped=False)
+
+    return 1e6 * min(timeit.repeat(one_step, number=repeats, repeat=5)) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/train/debug.toml")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=7)
+    args, overrides = parser.parse_known_args()
+    off = trainer(args.config, overrides)
+    on = trainer(args.config, overrides, "--resilience.spike_action=skip")
+    time_steps(off.train_step, WINDOW + 5)  # the window fills: from here on every step decides
+    time_steps(on.train_step, WINDOW + 5)
+    times = {"off": [], "on": []}
+    for _ in range(args.repeats):
+        times["off"].append(time_steps(off.train_step, args.steps))
+        times["on"].append(time_steps(on.train_step, args.steps))
+    off_ms, on_ms = (1e3 * statistics.median(times[k]) for k in ("off", "on"))
+    print(f"config {args.config} {' '.join(overrides)}")
+    print("| spike_action | median step (ms) | min (ms) | max (ms) |")
+    print("|---|---:|---:|---:|")
+    for name, ms in (("none", off_ms), ("skip", on_ms)):
+        key = "off" if name == "none" else "on"
+        print(f"| {name} | {ms:.2f} | {1e3 * min(times[key]):.2f} | {1e3 * max(times[key]):.2f} |")
+    print(f"\nskip / none = {on_ms / off_ms:.3f}x; the detector alone: {detector_us():.1f} µs a step")
+
+
+if __name__ == "__main__":
+    main()
