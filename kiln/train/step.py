@@ -178,7 +178,7 @@ class TrainStep:
         grad_norm, per_param = self._clip()
         loss = total / valid
         values, crossed = self._spike_check(loss, grad_norm)
-        agreed = self._agree(loss, grad_norm, flags, spike=bool(crossed))
+        agreed = self._agree(loss, grad_norm, flags, spike=bool(crossed), values=values)
         committed = self.replicas.commit(step) if self.replicas is not None else True
         skip = agreed["non_finite"] or agreed["spike"] or not committed
         lr = self._update(step, skip=skip)
@@ -232,25 +232,32 @@ class TrainStep:
 
     def _spike_check(
         self, loss: torch.Tensor, grad_norm: torch.Tensor
-    ) -> tuple[tuple[float, float] | None, list[Crossed]]:
-        """With spike skipping on: the step's loss and gradient norm on the host (one more read
-        a step) and the thresholds they cross; non-finite values are the NaN guard's."""
+    ) -> tuple[list[float] | None, list[Crossed]]:
+        """With spike skipping on: the step's loss and gradient norm on the host (a read a step)
+        and the thresholds they cross; non-finite values are the NaN guard's."""
         if self.spikes is None:
             return None, []
         values = torch.stack([loss.double(), grad_norm.double()]).tolist()
         if not all(map(math.isfinite, values)):
-            return None, []
-        return (values[0], values[1]), self.spikes.crossed(*values)
+            return values, []
+        return values, self.spikes.crossed(*values)
 
     def _agree(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, flags: StepFlags, *, spike: bool
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        flags: StepFlags,
+        *,
+        spike: bool,
+        values: list[float] | None,
     ) -> dict[str, bool]:
         """Whether any rank saw a non-finite loss or gradient norm or a spike, or set a flag."""
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.parallel.world_size == 1:
             # Nothing to agree on: the host flags stay on the host (each would be a copy to the
-            # GPU that waits for it) and the one read of `finite` is the step's one wait.
-            return {"non_finite": not bool(finite), "spike": spike} | asdict(flags)
+            # GPU that waits for it), and the step's one wait reads `finite` or the values.
+            read = all(map(math.isfinite, values)) if values is not None else bool(finite)
+            return {"non_finite": not read, "spike": spike} | asdict(flags)
         agreed = {"non_finite": ~finite, "spike": spike, **asdict(flags)}
         return any_rank(agreed, device=self.device)
 
