@@ -1,12 +1,13 @@
 """The per-step cost of loss-spike skipping (`resilience.spike_action = "skip"`) on CPU.
 
-Two trainers of one recipe side by side, spike skipping off and on (window 100, full after its
-first 100 steps, which the warm-up runs), alternating blocks of steps so drift in machine load
+Two trainers of one recipe side by side, spike skipping off and on (--window, 100: full after
+that many steps, which the warm-up runs), alternating blocks of steps so drift in machine load
 hits both alike; then the detector's host work alone (`SpikeGuard.crossed` and `record` on a full
 window), timed apart. What the step adds besides: one read of the loss and gradient norm a step,
 which on a GPU is a wait for the device (on CPU it is not).
 
-    python benchmarks/spike_cost.py --steps 30 --repeats 7 [--config RECIPE] [--section.key=value ...]
+    PYTHONPATH=.:benchmarks python benchmarks/spike_cost.py --steps 30 --repeats 7 \
+        [--window 100] [--config RECIPE] [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import statistics
 import tempfile
 import timeit
 
+from overhead import time_steps
+
 from kiln.config import load_config
 from kiln.config.sections import ResilienceConfig
 from kiln.resilience.spike_guard import SpikeGuard
 from kiln.train.trainer import Trainer
-from overhead import time_steps
 
 WINDOW = 100
 
@@ -51,11 +53,13 @@ def main() -> None:
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--window", type=int, default=WINDOW)
     args, overrides = parser.parse_known_args()
     off = trainer(args.config, overrides)
-    on = trainer(args.config, overrides, "--resilience.spike_action=skip")
-    time_steps(off.train_step, WINDOW + 5)  # the window fills: from here on every step decides
-    time_steps(on.train_step, WINDOW + 5)
+    spikes = ["--resilience.spike_action=skip", f"--resilience.spike_window={args.window}"]
+    on = trainer(args.config, overrides, *spikes)
+    time_steps(off.train_step, args.window + 5)  # the window fills: then every step decides
+    time_steps(on.train_step, args.window + 5)
     times = {"off": [], "on": []}
     for _ in range(args.repeats):
         times["off"].append(time_steps(off.train_step, args.steps))
@@ -67,7 +71,9 @@ def main() -> None:
     for name, ms in (("none", off_ms), ("skip", on_ms)):
         key = "off" if name == "none" else "on"
         print(f"| {name} | {ms:.2f} | {1e3 * min(times[key]):.2f} | {1e3 * max(times[key]):.2f} |")
-    print(f"\nskip / none = {on_ms / off_ms:.3f}x; the detector alone: {detector_us():.1f} µs a step")
+    print(
+        f"\nskip / none = {on_ms / off_ms:.3f}x; the detector alone: {detector_us():.1f} µs a step"
+    )
 
 
 if __name__ == "__main__":
