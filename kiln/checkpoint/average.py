@@ -24,7 +24,7 @@ from kiln.checkpoint.checkpointer import (
     save_checkpoint,
 )
 from kiln.checkpoint.layout import complete_steps, damage, find_tokenizer
-from kiln.checkpoint.manager import _FREE_MODEL_KEYS, _model_settings
+from kiln.checkpoint.manager import model_differences
 from kiln.checkpoint.store import Location, location, store_for
 from kiln.config import config_from_dict
 from kiln.errors import ConfigError
@@ -186,8 +186,7 @@ def _check_same_model(chosen: list[Location]) -> None:
     for path in chosen[:-1]:
         changes = [
             f"model.{key}: {old!r} in {_step(path)}, {new!r} in {_step(chosen[-1])}"
-            for key, old, new in _model_settings(read_model_config(path), reference)
-            if key not in _FREE_MODEL_KEYS and old != new
+            for key, old, new in model_differences(read_model_config(path), reference)
         ]
         theirs = _tokenizer_bytes(path)
         if tokenizer is not None and theirs is not None and theirs != tokenizer:

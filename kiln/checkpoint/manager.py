@@ -387,17 +387,25 @@ def _check_same_model(path: Location, model: ModelConfig) -> None:
     """Weights mean something only under the model settings they were trained with: a converted
     Llama 3.1 model loaded without its RoPE scaling would load cleanly and compute something else.
     Shapes that differ would fail to load; settings that differ silently are refused here."""
-    saved = read_model_config(path)
     changes = [
         f"model.{key}: {old!r} in the checkpoint, {new!r} here"
-        for key, old, new in _model_settings(saved, model)
-        if key not in _FREE_MODEL_KEYS and old != new
+        for key, old, new in model_differences(read_model_config(path), model)
     ]
     if changes:
         raise ConfigError(
             f"checkpoint.load_path {path} holds a model with other settings ({'; '.join(changes)}); "
             "set those [model] keys to the checkpoint's values (its config.toml lists them)"
         )
+
+
+def model_differences(saved: ModelConfig, model: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """The [model] settings (key, saved, here) that differ and give the weights their meaning:
+    all but those a warm start may change."""
+    return [
+        (key, old, new)
+        for key, old, new in _model_settings(saved, model)
+        if key not in _FREE_MODEL_KEYS and old != new
+    ]
 
 
 def _model_settings(saved: ModelConfig, model: ModelConfig) -> list[tuple[str, Any, Any]]:
