@@ -14,13 +14,13 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from kiln.config import ModelConfig
 from kiln.model import build_model, materialize
+from kiln.model import document_mask as document_mask_module
 from kiln.model.document_mask import (
     build_document_mask,
     build_position_mask,
     document_ids,
     masked_attention,
 )
-from kiln.model import document_mask as document_mask_module
 from kiln.parallel.context_parallel import load_balanced_positions
 
 EOS = 0
