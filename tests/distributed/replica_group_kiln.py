@@ -4,7 +4,9 @@ rejoining one) to <run_dir>/final_rank_<r>.pt, so a test can compare two groups 
 
 `--test-gate=PATH` (first argument after `train`, taken out before kiln reads the rest): the
 group starts, then waits for PATH to exist before it joins the quorum, so a test can have a
-restarted group ready and let it join at once. `--test-order` (there too): each rank writes
+restarted group ready and let it join at once. `--test-stall-backward=N:PATH` (next): in the
+backward of the process's N-th step, after the first FSDP unit's gradients crossed the groups,
+each rank writes PATH.rank_<r> and waits to be killed. `--test-order` (last): each rank writes
 <run_dir>/order_rank_<r>.json, the order of the first step's backward of each FSDP unit, its
 cross-group all-reduces and its commit."""
 
@@ -25,6 +27,7 @@ from kiln.checkpoint.peer_state import local_state
 from kiln.config import load_config
 
 GATE = "--test-gate="
+STALL = "--test-stall-backward="
 ORDER = "--test-order"
 
 
@@ -33,6 +36,9 @@ def main() -> None:
     args = sys.argv[2:]
     if args[0].startswith(GATE):
         hold_until(Path(args.pop(0)[len(GATE) :]))
+    if args[0].startswith(STALL):
+        call, marker = args.pop(0)[len(STALL) :].split(":", 1)
+        stall_backward(int(call), Path(marker))
     order = record_order() if args[0] == ORDER and args.pop(0) else None
     recipe, *overrides = args
     cfg = load_config(recipe, overrides, launched=int(os.environ.get("WORLD_SIZE", "1")))
@@ -66,6 +72,29 @@ def record_order() -> list[str]:
     recording(torchft.Manager, "allreduce", "all_reduce")
     recording(torchft.Manager, "should_commit", "commit")
     return order
+
+
+def stall_backward(call: int, marker: Path) -> None:
+    """In the backward of this process's `call`-th training step, as the second FSDP unit's
+    backward ends (the first unit's gradients have crossed the groups): mark, then hang."""
+    steps, units = [0], [0]
+    train_step, post_backward = trainer_module.Trainer.train_step, FSDPParamGroup.post_backward
+
+    def counting(self, **kwargs):
+        steps[0] += 1
+        return train_step(self, **kwargs)
+
+    def stalling(self, *args, **kwargs):
+        if steps[0] == call:
+            units[0] += 1
+            if units[0] == 2:
+                Path(f"{marker}.rank_{os.environ['RANK']}").touch()
+                while True:
+                    time.sleep(1)
+        return post_backward(self, *args, **kwargs)
+
+    trainer_module.Trainer.train_step = counting
+    FSDPParamGroup.post_backward = stalling
 
 
 def hold_until(gate: Path) -> None:

@@ -66,10 +66,13 @@ def test_a_killed_group_is_dropped_then_rejoins_from_the_live_one(tmp_path, demo
         args = [[*base, *fault_tolerance(house.address, g)] for g in (0, 1)]
         gates = {name: tmp_path / f"gate_{name}" for name in ("first", "wrong", "again")}
         # Group 1's three lives start now and wait at their gates: each joins at once when let.
+        # Group 1's first life dies in the backward of its third step, while its gradients
+        # cross the groups: the step must commit nowhere.
+        stall = tmp_path / "stalled"
         group_1, wrong, again = (
             start_ranks(2, [f"--test-gate={gates[name]}", *a], logs / name, module=WORKER)
             for name, a in (
-                ("first", args[1]),
+                ("first", [f"--test-stall-backward=3:{stall}", *args[1]]),
                 # Another learning rate: a live group's state is refused by the group's check.
                 ("wrong", [*args[1], "--optimizer.lr=0.5"]),
                 ("again", args[1]),
@@ -81,9 +84,9 @@ def test_a_killed_group_is_dropped_then_rejoins_from_the_live_one(tmp_path, demo
         gates["first"].touch()
         both_in = lambda: any(e["participants"] == 2 for e in group_events(run, 1, "quorum"))  # noqa: E731
         wait_until(both_in, group_0 + group_1, "both groups in one quorum")
-        wait_until(lambda: logged_steps(run / "replica_group_1"), group_1, "a step of group 1")
-        killed_at = logged_steps(run / "replica_group_1")[-1] + 2
-        wait_until(lambda: killed_at in logged_steps(run / "replica_group_1"), group_1, "step")
+        stalled = lambda: all(Path(f"{stall}.rank_{r}").exists() for r in (0, 1))  # noqa: E731
+        wait_until(stalled, group_1, "group 1 in the backward of its third step")
+        killed_at = logged_steps(run / "replica_group_1")[-1] + 1
         for proc in group_1:  # the whole group, as when its node fails
             proc.send_signal(signal.SIGKILL)
         died = time.time()
@@ -105,6 +108,8 @@ def test_a_killed_group_is_dropped_then_rejoins_from_the_live_one(tmp_path, demo
         assert wait_all(group_0 + again, timeout=240) == [0] * 4
     healed = [e for e in group_events(run, 1, "quorum") if e["healed"]]
     assert healed[-1]["step"] > killed_at  # from the live group: there is no checkpoint
+    # The survivor's step that lost its peer in the backward was not committed.
+    assert killed_at in [e["step"] for e in group_events(run, 0, "not_committed")]
     # The console says it: the survivor once per group lost (the killed one, the refused one),
     # with the global batch it trains on (8 sequences a group), and the healed group whence.
     survivor = log(logs / "group_0")
