@@ -65,6 +65,7 @@ class SpikeGuard:
             f"{c.metric} {c.value:.6g} > mean {c.mean:.6g} + {c.sigmas:g} × std {c.std:.3g}"
             for c in crossed
         )
+        above = above or "on another rank"  # every rank holds the same values, barring a fault
         return (
             f"step {step}: loss spike ({above} over the last {self.window} applied steps); the "
             f"update was skipped ({self.consecutive} in a row, resilience.spike_max_consecutive "

@@ -29,8 +29,8 @@ def report_skipped(
     loss spike; the guard that counted it (whose stop message applies)."""
     if result.spike:
         if is_main:
-            warn(spikes.skipped_message(step, result.spike))
-        crossed = [asdict(c) for c in result.spike]
+            warn(spikes.skipped_message(step, result.crossed))
+        crossed = [asdict(c) for c in result.crossed]
         events.write("spike_skip", step=step, crossed=crossed, in_a_row=spikes.consecutive)
         return spikes
     loss, grad_norm = result.loss.item(), result.grad_norm.item()

@@ -65,9 +65,10 @@ class StepResult(NamedTuple):
     param_grad_norms: ParamGradNorms | None = None
     # Fault tolerance: False when a replica group failed during the step (nothing updated).
     committed: bool = True
-    # Loss-spike skipping: the thresholds the step crossed (then its update was skipped), and
-    # whether resilience.spike_max_consecutive spikes came in a row.
-    spike: tuple[Crossed, ...] = ()
+    # Loss-spike skipping: whether the update was skipped as a spike (on any rank), the
+    # thresholds this rank saw crossed, and whether resilience.spike_max_consecutive came in a row.
+    spike: bool = False
+    crossed: tuple[Crossed, ...] = ()
     spike_limit: bool = False
 
 
@@ -199,7 +200,8 @@ class TrainStep:
             save_written=not agreed["save_pending"],
             param_grad_norms=per_param,
             committed=committed,
-            spike=tuple(crossed) if agreed["spike"] else (),
+            spike=agreed["spike"],
+            crossed=tuple(crossed),
             spike_limit=limit,
         )
 
