@@ -19,6 +19,7 @@ Event = Literal[
     "checkpoint",
     "resume",
     "nan_skip",
+    "spike_skip",
     "rollback",
     "stop",
     "quorum",
