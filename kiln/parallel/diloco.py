@@ -1,0 +1,126 @@
+"""DiLoCo and Streaming DiLoCo across replica groups (`[fault_tolerance] sync = "diloco"`):
+each group trains on its own for H inner steps; then the groups average their pseudo-gradients
+(the last synchronized weights minus their own) and every group applies one outer step, SGD with
+Nesterov momentum, to the synchronized weights (Douillard et al. 2023). With F fragments
+(Streaming DiLoCo, 2025) the model's blocks are split into F contiguous fragments, one of which
+synchronizes every H / F steps, its all-reduce started `fragment_sync_delay` steps before the
+outer step that needs it.
+
+This module is the algorithm on one rank's shards: which fragment a parameter belongs to, when
+a fragment prepares and performs its sync, and the outer optimizer's state. Forming the quorum,
+the all-reduce and the commit are the replica groups' (kiln/parallel/replica_groups.py).
+
+WORK IN PROGRESS (branch wip/diloco): not wired into the training loop yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+# Parameters outside the blocks: the embedding goes with the first fragment, everything after
+# the last block (final norm, output head, multi-token prediction) with the last.
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class SyncPhase(StrEnum):
+    PREPARE = "prepare"  # form the quorum, take the pseudo-gradient, start its all-reduce
+    PERFORM = "perform"  # wait for it, commit, apply the outer step
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When each fragment syncs: every `sync_every` / `fragments` inner steps one fragment, in
+    turn; its all-reduce starts `delay` steps before its outer step."""
+
+    sync_every: int
+    fragments: int = 1
+    delay: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.sync_every % self.fragments == 0, "validated in the config"
+        assert 0 <= self.delay < self.sync_every // self.fragments, "validated in the config"
+
+    @property
+    def interval(self) -> int:
+        """Inner steps between two syncs (of successive fragments)."""
+        return self.sync_every // self.fragments
+
+    def phases(self, step: int) -> list[SyncPhase]:
+        """What happens after the inner update of step `step` (1-based), in order."""
+        offset = step % self.interval
+        out = []
+        if offset == 0:
+            out.append(SyncPhase.PERFORM)
+        if offset == (self.interval - self.delay) % self.interval:
+            out.append(SyncPhase.PREPARE)
+        # With no delay a fragment prepares and performs after the same step, in that order.
+        return sorted(out, key=lambda p: p is SyncPhase.PERFORM)
+
+    def fragment(self, syncs: int) -> int:
+        """The fragment of the sync after `syncs` committed ones (a failed sync is retried)."""
+        return syncs % self.fragments
+
+
+def fragment_of(names: list[str], *, blocks: int, fragments: int) -> dict[str, int]:
+    """Each parameter's fragment, by name: blocks in `fragments` contiguous runs (the first ones
+    a block longer when they do not divide), what precedes the blocks in fragment 0 and what
+    follows them in the last."""
+    assert 1 <= fragments <= blocks, "validated in the config"
+    base, extra = divmod(blocks, fragments)
+    first_block, start = [], 0
+    for index in range(fragments):
+        first_block.append(start)
+        start += base + (index < extra)
+    out = {}
+    for name in names:
+        match = _BLOCK.search(name)
+        if match is None:
+            out[name] = 0 if name.startswith(("tok_embeddings", "embed")) else fragments - 1
+            continue
+        block = int(match.group(1))
+        out[name] = max(i for i, first in enumerate(first_block) if first <= block)
+    return out
+
+
+class OuterOptimizer:
+    """The synchronized weights of this rank's shards and their Nesterov momentum: what every
+    group holds alike, and what a checkpoint and a rejoining group need."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], *, lr: float, momentum: float):
+        self.lr, self.momentum = lr, momentum
+        self.synced = {name: w.detach().clone() for name, w in weights.items()}
+        # Zeros, not torch's lazily cloned first buffer: μ·0 + Δ is exactly Δ, so the result is
+        # bitwise torch.optim.SGD(nesterov=True)'s and the state has a fixed shape to save.
+        self.buffers = {name: torch.zeros_like(w) for name, w in self.synced.items()}
+
+    def pseudo_gradients(
+        self, weights: dict[str, torch.Tensor], names: list[str]
+    ) -> list[torch.Tensor]:
+        """Synchronized minus local, for the parameters `names`: what the groups average."""
+        return [self.synced[name] - weights[name].detach() for name in names]
+
+    def step(self, names: list[str], averaged: list[torch.Tensor]) -> None:
+        """One outer step of the parameters `names` from the groups' mean pseudo-gradients."""
+        for name, delta in zip(names, averaged, strict=True):
+            buffer = self.buffers[name]
+            buffer.mul_(self.momentum).add_(delta)
+            self.synced[name].add_(delta.add(buffer, alpha=self.momentum), alpha=-self.lr)
+
+    def assign(self, weights: dict[str, torch.Tensor], names: list[str]) -> None:
+        """The local weights of `names` become the synchronized ones."""
+        with torch.no_grad():
+            for name in names:
+                weights[name].copy_(self.synced[name])
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"synced": self.synced, "buffers": self.buffers}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for kind in ("synced", "buffers"):
+            own = getattr(self, kind)
+            for name, value in state[kind].items():
+                own[name].copy_(value)
