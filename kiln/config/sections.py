@@ -38,6 +38,7 @@ ExportDtype = Literal["float32", "bfloat16", "float16"]
 # Which checkpoints the run also writes as a Hugging Face folder (kiln/checkpoint/hf_export.py).
 ExportHf = Literal["never", "final", "every_save"]
 NanAction = Literal["stop", "rollback"]
+FaultToleranceSync = Literal["every_step", "diloco"]
 SpikeAction = Literal["none", "skip"]
 WandbMode = Literal["online", "offline", "disabled"]
 
@@ -406,6 +407,17 @@ class FaultToleranceConfig:
     # A group gives up after this many steps in a row that could not commit (a recovery that
     # keeps failing, a lost peer in every step) instead of retrying forever.
     max_failed_steps: int = 5
+    # How the groups synchronize: every step (HSDP's arithmetic), or DiLoCo (each group trains on
+    # its own for sync_every steps, then an outer SGD step with Nesterov momentum on the groups'
+    # mean pseudo-gradient; kiln/parallel/diloco.py). fragments > 1: Streaming DiLoCo, one of
+    # that many contiguous runs of blocks synchronizing every sync_every / fragments steps, its
+    # all-reduce started fragment_sync_delay steps before its outer step.
+    sync: FaultToleranceSync = "every_step"
+    sync_every: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1
+    fragment_sync_delay: int = 0
 
 
 @dataclass

@@ -16,6 +16,12 @@ def job_world_size(cfg: JobConfig, launched: int) -> int:
 def fault_tolerance_problems(cfg: JobConfig) -> list[str]:
     ft, groups, p = cfg.fault_tolerance, cfg.distributed.dp_replicate, []
     if not ft.enabled:
+        if ft.sync == "diloco":
+            p.append(
+                'fault_tolerance.sync = "diloco" needs fault_tolerance.enabled = true: DiLoCo '
+                "synchronizes replica groups (each dp_replicate slice a torchrun job of its "
+                'own). Turn fault_tolerance.enabled on, or set sync = "every_step"'
+            )
         return p
     if groups < 2:
         return [
@@ -68,6 +74,8 @@ def fault_tolerance_problems(cfg: JobConfig) -> list[str]:
             "could not take it from a peer. Prepare the data (kiln prepare) or set "
             "data.streaming = false"
         )
+    if ft.sync == "diloco":
+        p += _diloco_problems(cfg)
     # Looked up, not imported: validation does not pay for torchft's import.
     if importlib.util.find_spec("torchft") is None:
         p.append(
@@ -79,3 +87,56 @@ def fault_tolerance_problems(cfg: JobConfig) -> list[str]:
 
 def _streams(cfg: JobConfig) -> bool:
     return cfg.data.streaming or any(d.streaming for d in cfg.data.datasets)
+
+
+def _diloco_problems(cfg: JobConfig) -> list[str]:
+    ft, p = cfg.fault_tolerance, []
+    if ft.sync_every < 1 or ft.fragments < 1:
+        return [
+            f"fault_tolerance.sync_every ({ft.sync_every}) and fragments ({ft.fragments}) must "
+            "be >= 1 (inner steps between syncs; runs of blocks that sync in turn)"
+        ]
+    if ft.sync_every < ft.fragments:
+        p.append(
+            f"fault_tolerance.sync_every = {ft.sync_every} is below fault_tolerance.fragments = "
+            f"{ft.fragments}: each fragment syncs once every sync_every steps, one fragment at a "
+            "time. Raise sync_every to a multiple of fragments, or lower fragments"
+        )
+    elif ft.sync_every % ft.fragments:
+        good = ft.sync_every + ft.fragments - ft.sync_every % ft.fragments
+        p.append(
+            f"fault_tolerance.sync_every = {ft.sync_every} is not a multiple of "
+            f"fault_tolerance.fragments = {ft.fragments}: the fragments sync every sync_every / "
+            f"fragments steps. Use e.g. sync_every = {good}"
+        )
+    elif not 0 <= ft.fragment_sync_delay < ft.sync_every // ft.fragments:
+        p.append(
+            f"fault_tolerance.fragment_sync_delay = {ft.fragment_sync_delay} must be in 0 .. "
+            f"sync_every / fragments - 1 = {ft.sync_every // ft.fragments - 1}: a fragment's "
+            "sync must finish before the next one starts"
+        )
+    if ft.fragments > cfg.model.n_layers:
+        p.append(
+            f"fault_tolerance.fragments = {ft.fragments} exceeds the model's {cfg.model.n_layers} "
+            "blocks: a fragment needs at least one block"
+        )
+    if ft.outer_lr <= 0 or not 0 <= ft.outer_momentum < 1:
+        p.append(
+            f"fault_tolerance.outer_lr must be > 0 and outer_momentum in [0, 1), got "
+            f"{ft.outer_lr} and {ft.outer_momentum} (DiLoCo's: 0.7 and 0.9)"
+        )
+    if cfg.optimizer.name == "schedule_free_adamw":
+        p.append(
+            'optimizer.name = "schedule_free_adamw" cannot run under fault_tolerance.sync = '
+            '"diloco": its weights interpolate two sequences its state holds, and the outer '
+            "step overwrites the weights every sync_every steps, leaving them inconsistent. "
+            "Use adamw, muon or lion"
+        )
+    interval = ft.sync_every // ft.fragments
+    if interval and cfg.checkpoint.interval % interval:
+        p.append(
+            f"checkpoint.interval = {cfg.checkpoint.interval} is not a multiple of sync_every / "
+            f'fragments = {interval} under fault_tolerance.sync = "diloco": checkpoints are '
+            "taken between syncs, with no sync in flight"
+        )
+    return p

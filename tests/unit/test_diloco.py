@@ -146,3 +146,41 @@ def test_fragments_are_contiguous_blocks_with_the_embedding_first_and_the_head_l
         "norm.weight": 1,
         "output.weight": 1,
     }
+
+
+def _problems(*overrides: str) -> list[str]:
+    from kiln.config import load_config
+    from kiln.config.validate_fault_tolerance import fault_tolerance_problems
+    from tests.conftest import DEBUG_CONFIG
+
+    cfg = load_config(DEBUG_CONFIG, list(overrides))  # not validated: the checks are called
+    return fault_tolerance_problems(cfg)
+
+
+def test_diloco_settings_that_cannot_work_are_refused_with_their_reason():
+    enabled = ["--fault_tolerance.enabled=true", "--distributed.dp_replicate=2"]
+    diloco = [*enabled, "--fault_tolerance.sync=diloco"]
+    cases = {
+        ("--fault_tolerance.sync=diloco",): "needs fault_tolerance.enabled = true",
+        (*diloco, "--fault_tolerance.sync_every=2", "--fault_tolerance.fragments=4"): (
+            "sync_every = 2 is below fault_tolerance.fragments = 4"
+        ),
+        (*diloco, "--fault_tolerance.sync_every=10", "--fault_tolerance.fragments=4"): (
+            "Use e.g. sync_every = 12"
+        ),
+        (
+            *diloco,
+            "--fault_tolerance.sync_every=12",
+            "--fault_tolerance.fragments=2",
+            "--fault_tolerance.fragment_sync_delay=6",
+        ): "must be in 0 .. sync_every / fragments - 1 = 5",
+        (*diloco, "--fault_tolerance.fragments=40", "--fault_tolerance.sync_every=40"): (
+            "exceeds the model's"
+        ),
+        (*diloco, "--fault_tolerance.outer_lr=0"): "outer_lr must be > 0",
+        (*diloco, "--optimizer.name=schedule_free_adamw"): "cannot run under",
+        (*diloco, "--checkpoint.interval=50"): "checkpoint.interval = 50 is not a multiple",
+    }
+    for overrides, message in cases.items():
+        problems = _problems(*overrides)
+        assert any(message in problem for problem in problems), (overrides, problems)
