@@ -10,7 +10,8 @@ This module is the algorithm on one rank's shards: which fragment a parameter be
 a fragment prepares and performs its sync, and the outer optimizer's state. Forming the quorum,
 the all-reduce and the commit are the replica groups' (kiln/parallel/replica_groups.py).
 
-WORK IN PROGRESS (branch wip/diloco): not wired into the training loop yet.
+WORK IN PROGRESS (branch wip/diloco): wired for the sync and the heal; checkpoints do not hold
+the outer state yet.
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from kiln.config.sections import FaultToleranceConfig
+
+if TYPE_CHECKING:
+    from kiln.parallel.replica_groups import ReplicaGroups
 
 # Parameters outside the blocks: the embedding goes with the first fragment, everything after
 # the last block (final norm, output head, multi-token prediction) with the last.
@@ -124,3 +132,96 @@ class OuterOptimizer:
             own = getattr(self, kind)
             for name, value in state[kind].items():
                 own[name].copy_(value)
+
+
+class DiLoCoSync:
+    """This rank's part in DiLoCo's syncs across the replica groups: after each inner step, the
+    schedule's phases. A group that healed in a sync's quorum (its weights a live group's)
+    weighs 0 in that sync's mean, or the live group's update would count twice."""
+
+    def __init__(
+        self,
+        cfg: FaultToleranceConfig,
+        replicas: ReplicaGroups,
+        model_parts: list[torch.nn.Module],
+        *,
+        blocks: int,
+    ):
+        self.schedule = Schedule(cfg.sync_every, cfg.fragments, cfg.fragment_sync_delay)
+        self.replicas, self.settings = replicas, cfg
+        self.params = {n: p for part in model_parts for n, p in part.named_parameters()}
+        self.fragment = fragment_of(list(self.params), blocks=blocks, fragments=cfg.fragments)
+        self.syncs = 0
+        self.in_flight: tuple[list[str], torch.Tensor, Any] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """The synchronized weights are the current ones (a start, a resume, a heal)."""
+        self.outer = OuterOptimizer(
+            self.local(), lr=self.settings.outer_lr, momentum=self.settings.outer_momentum
+        )
+
+    def local(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of the weights, sharing their storage."""
+        return {n: _local(p.detach()) for n, p in self.params.items()}
+
+    def after_step(self, step: int) -> bool | None:
+        """The schedule's phases after the inner update of step `step`; whether a sync
+        performed here committed (None: none performed)."""
+        committed = None
+        for phase in self.schedule.phases(step):
+            if phase is SyncPhase.PREPARE:
+                self._prepare(step)
+            else:
+                committed = self._perform(step)
+        return committed
+
+    def _prepare(self, step: int) -> None:
+        # A group behind heals here: the trainer loads a live group's weights, optimizer, data
+        # position and this state (`load_state_dict`) before the pseudo-gradient is taken.
+        quorum = self.replicas.sync_quorum(step)
+        fragment = self.schedule.fragment(self.syncs)
+        names = [n for n in self.params if self.fragment[n] == fragment]
+        deltas = self.outer.pseudo_gradients(self.local(), names)
+        weight = 0.0 if quorum.healed else 1.0
+        flat = torch.cat([d.reshape(-1) * weight for d in deltas] + [_scalar(weight, deltas)])
+        self.in_flight = names, flat, self.replicas.start_sum(flat)
+
+    def _perform(self, step: int) -> bool:
+        names, flat, work = self.in_flight
+        self.in_flight = None
+        work.wait()
+        committed = self.replicas.commit(step)
+        if committed:
+            mean = flat[:-1] / flat[-1]
+            sizes = [self.outer.synced[n].numel() for n in names]
+            averaged = [
+                part.view_as(self.outer.synced[n])
+                for n, part in zip(names, mean.split(sizes), strict=True)
+            ]
+            self.outer.step(names, averaged)
+            self.syncs += 1
+        # A sync that did not commit leaves the fragment at its last synchronized weights: its
+        # inner steps since are dropped in every group alike.
+        self.outer.assign(self.local(), names)
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a rejoining group needs besides the weights (cloned: the sender trains on)."""
+        state = {
+            k: {n: t.clone() for n, t in v.items()} for k, v in self.outer.state_dict().items()
+        }
+        return state | {"syncs": self.syncs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.outer.load_state_dict(state)
+        self.syncs = state["syncs"]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _scalar(value: float, like: list[torch.Tensor]) -> torch.Tensor:
+    reference = like[0] if like else torch.zeros(())
+    return torch.full((1,), value, dtype=reference.dtype, device=reference.device)

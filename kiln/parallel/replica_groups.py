@@ -232,6 +232,19 @@ class ReplicaGroups:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
 
+    def sync_quorum(self, step: int) -> Quorum:
+        """DiLoCo: the quorum of a sync after step `step` (the groups' only rendezvous); the
+        Manager's step is the trainer's, so a group behind the others heals in it."""
+        if self.manager is None:
+            self.connect()
+        self.set_step(step)
+        return self.start_step(step)
+
+    def start_sum(self, flat: torch.Tensor) -> Any:
+        """DiLoCo: start summing `flat` in place over the quorum's groups; wait on the result.
+        A failure leaves the values undefined and the sync uncommitted."""
+        return self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)
+
     def sum_in_backward(self, model_parts: list[torch.nn.Module]) -> bool:
         """Sum each FSDP unit's gradient shard over the groups as soon as the unit's
         reduce-scatter has made it (FSDP2's all-reduce hook), as HSDP's all-reduce over
@@ -303,8 +316,9 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def writes_checkpoints(self) -> bool:
-        """The first group of the last quorum saves the run's checkpoints (one writer)."""
-        return self.last is None or self.last.replica_rank == 0
+        """The first group of the last quorum saves the run's checkpoints (one writer); under
+        DiLoCo every group saves its own (their inner states differ)."""
+        return self.cfg.sync == "diloco" or self.last is None or self.last.replica_rank == 0
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -335,8 +349,11 @@ def group_run_config(cfg: JobConfig) -> JobConfig:
     if not cfg.fault_tolerance.enabled:
         return cfg
     run_dir = Path(cfg.metrics.run_dir)
-    group_dir = run_dir / f"replica_group_{cfg.fault_tolerance.replica_group}"
+    group = f"replica_group_{cfg.fault_tolerance.replica_group}"
+    group_dir = run_dir / group
     checkpoint_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    if cfg.fault_tolerance.sync == "diloco":  # each group's own: their inner states differ
+        checkpoint_dir = f"{checkpoint_dir.rstrip('/')}/{group}"
     return replace(
         cfg,
         metrics=replace(cfg.metrics, run_dir=str(group_dir)),

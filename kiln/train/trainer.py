@@ -29,6 +29,7 @@ from kiln.parallel.agree import gather_from_all
 from kiln.parallel.apply import build_parallel_model
 from kiln.parallel.collectives import collective_failure, is_collective_failure
 from kiln.parallel.device import pick_device
+from kiln.parallel.diloco import DiLoCoSync
 from kiln.parallel.mesh import init_training_parallel
 from kiln.parallel.replica_groups import group_run_config, join_replica_groups
 from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog, flight_recorder, health
@@ -70,13 +71,20 @@ class Trainer:
         self.replicas = join_replica_groups(
             cfg, self.parallel, self._peer_state, self._load_peer_state, events=self.events
         )
+        diloco = cfg.fault_tolerance.enabled and cfg.fault_tolerance.sync == "diloco"
         self.step_fn = TrainStep(
             cfg,
             self.parallel,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             sources=self.sources,
-            replicas=self.replicas,
+            replicas=None if diloco else self.replicas,  # DiLoCo: each group steps on its own
+        )
+        blocks = cfg.model.n_layers
+        self.diloco = (
+            DiLoCoSync(cfg.fault_tolerance, self.replicas, self.model_parts, blocks=blocks)
+            if diloco
+            else None
         )
         self.tasks = TaskEval(cfg, self.parallel, self.model_parts, sources=self.sources)
         self.loader = BatchLoader.for_training(
@@ -91,7 +99,9 @@ class Trainer:
         if start.train_state is not None:  # before any weight is read
             self.loader.check_order(start.train_state)
         self.nan_guard = NanGuard.from_config(cfg.resilience)
-        self._restore(start) if self.replicas is None else self._join(start)
+        self._restore(start) if self.replicas is None or self.diloco else self._join(start)
+        if self.diloco is not None:
+            self.diloco.reset()  # the synchronized weights: the restored ones
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
             write_config(cfg, self.run_dir / "config.toml")
@@ -186,7 +196,7 @@ class Trainer:
         gradient norm. The flags of the result are agreed by all ranks."""
         pending = not self.checkpoints.written_locally()
         flags = StepFlags(stop=stop_requested, time_up=time_up, save_pending=pending)
-        if self.replicas is not None and not self.replicas.in_quorum:
+        if self.replicas is not None and self.diloco is None and not self.replicas.in_quorum:
             self.replicas.start_step(self.step + 1)
         with record_function("data"):
             batch = self.loader.next_step()
@@ -194,6 +204,8 @@ class Trainer:
         if result.committed:  # a step a peer failed in is not counted; its samples are skipped
             self.step += 1
             self.tokens_seen += result.tokens
+            if self.diloco is not None:
+                self.diloco.after_step(self.step)
         return result
 
     def _restore(self, start: StartPoint) -> None:
@@ -218,7 +230,8 @@ class Trainer:
         """What a live group sends a rejoining one, at a step boundary."""
         guard = {"nan_guard": (self.nan_guard.consecutive, self.nan_guard.skipped_total)}
         train = self._train_state() | {"step": self.step} | guard
-        return peer_state(train, self.parallel.degrees, self.model_parts, self.optimizers)
+        state = peer_state(train, self.parallel.degrees, self.model_parts, self.optimizers)
+        return state | ({"diloco": self.diloco.state_dict()} if self.diloco is not None else {})
 
     def _load_peer_state(self, state: dict) -> None:
         own = {"train": {"fingerprint": self.fingerprint()}, "layout": self.parallel.degrees}
@@ -226,6 +239,8 @@ class Trainer:
         load_local_state(self.model_parts, self.optimizers, state["parts"])
         self.nan_guard.consecutive, self.nan_guard.skipped_total = state["train"]["nan_guard"]
         self._continue_from(state["train"])
+        if self.diloco is not None:
+            self.diloco.load_state_dict(state["diloco"])
 
     def _step_log(self) -> StepLog:
         return StepLog(
