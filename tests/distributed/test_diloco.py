@@ -33,3 +33,45 @@ def test_groups_hold_the_same_weights_after_each_sync(tmp_path, demo_data):
     )
     assert model_0.keys() == model_1.keys()
     assert all(torch.equal(model_0[k], model_1[k]) for k in model_0)
+
+
+def test_a_killed_group_rejoins_at_a_sync_and_the_groups_end_equal(tmp_path, demo_data):
+    """Group 1 is killed between syncs; group 0 syncs alone; group 1 restarted trains on its own
+    until its first sync, heals there from group 0 (weights, optimizer, data position and the
+    outer state; its pseudo-gradient weighs 0), and after the last sync both groups hold the
+    same weights, bit for bit."""
+    import signal
+    import time
+
+    from kiln.events import read_events
+    from tests.distributed.test_fault_tolerance import logged_steps, wait_until
+
+    run, logs, steps = tmp_path / "run", tmp_path / "logs", 80
+    base = kiln_args(run, demo_data, f"--train.max_steps={steps}", "--checkpoint.interval=0")
+    diloco = ["--fault_tolerance.sync=diloco", f"--fault_tolerance.sync_every={SYNC_EVERY}"]
+    with lighthouse(logs / "lighthouse.txt") as house:
+        args = [[*base, *fault_tolerance(house.address, g), *diloco] for g in (0, 1)]
+        gate = tmp_path / "gate"  # the restarted group waits, imported, until let join
+        again = start_ranks(1, [f"--test-gate={gate}", *args[1]], logs / "again", module=WORKER)
+        group_0 = start_ranks(1, args[0], logs / "g0", module=WORKER)
+        group_1 = start_ranks(1, args[1], logs / "g1", module=WORKER)
+        wait_until(lambda: len(logged_steps(run / "replica_group_1")) >= 6, group_1, "6 steps")
+        group_1[0].send_signal(signal.SIGKILL)
+        died = time.time()
+        wait_all(group_1, timeout=10)
+        alone = lambda: any(  # noqa: E731
+            e["event"] == "quorum" and e["participants"] == 1 and e["time"] > died
+            for e in read_events(run / "replica_group_0")
+        )
+        wait_until(alone, group_0, "group 0 syncing alone")
+        gate.touch()
+        assert wait_all(group_0 + again, timeout=240) == [0, 0]
+    healed = [
+        e for e in read_events(run / "replica_group_1") if e["event"] == "quorum" and e["healed"]
+    ]
+    assert healed, "group 1 did not heal from group 0"
+    (model_0,), (model_1,) = (
+        [part["model"] for part in torch.load(run / f"replica_group_{g}" / "final_rank_0.pt")]
+        for g in (0, 1)
+    )
+    assert all(torch.equal(model_0[k], model_1[k]) for k in model_0)
