@@ -3,8 +3,12 @@ gloo. WORK IN PROGRESS (branch wip/diloco)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kiln.config import load_config
+from kiln.parallel.diloco import fragment_of
+from tests.conftest import DEBUG_CONFIG
 from tests.distributed.launch import kiln_args, start_ranks, wait_all
 from tests.distributed.test_fault_tolerance import WORKER, fault_tolerance
 from tests.support.lighthouse import lighthouse
@@ -12,10 +16,18 @@ from tests.support.lighthouse import lighthouse
 STEPS, SYNC_EVERY = 12, 4
 
 
-def test_groups_hold_the_same_weights_after_each_sync(tmp_path, demo_data):
+@pytest.mark.parametrize("streaming", [False, True], ids=["diloco", "streaming_f2_delay1"])
+def test_groups_hold_the_same_weights_after_each_sync(tmp_path, demo_data, streaming):
+    """Plain DiLoCo: after the last sync (step 12) every weight is bitwise the same in both
+    groups. Streaming DiLoCo with two fragments, each all-reduce started a step before its
+    outer step: a sync every 2 steps, the fragments in turn; step 12's is the sixth, fragment 1
+    (the second half of the blocks and the head): its weights are the same, fragment 0's,
+    synced at step 10 and trained twice since, are not."""
     run, logs = tmp_path / "run", tmp_path / "logs"
     base = kiln_args(run, demo_data, f"--train.max_steps={STEPS}", "--checkpoint.interval=0")
     diloco = ["--fault_tolerance.sync=diloco", f"--fault_tolerance.sync_every={SYNC_EVERY}"]
+    if streaming:
+        diloco += ["--fault_tolerance.fragments=2", "--fault_tolerance.fragment_sync_delay=1"]
     with lighthouse(logs / "lighthouse.txt", min_replicas=2) as house:
         groups = [
             start_ranks(
@@ -32,7 +44,13 @@ def test_groups_hold_the_same_weights_after_each_sync(tmp_path, demo_data):
         for g in (0, 1)
     )
     assert model_0.keys() == model_1.keys()
-    assert all(torch.equal(model_0[k], model_1[k]) for k in model_0)
+    if not streaming:
+        assert all(torch.equal(model_0[k], model_1[k]) for k in model_0)
+        return
+    names = list(model_0)
+    fragment = fragment_of(names, blocks=load_config(DEBUG_CONFIG).model.n_layers, fragments=2)
+    assert all(torch.equal(model_0[k], model_1[k]) for k in names if fragment[k] == 1)
+    assert not all(torch.equal(model_0[k], model_1[k]) for k in names if fragment[k] == 0)
 
 
 def test_a_killed_group_rejoins_at_a_sync_and_the_groups_end_equal(tmp_path, demo_data):
