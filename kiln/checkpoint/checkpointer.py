@@ -88,6 +88,7 @@ def load_checkpoint(
     model: Modules,
     optimizer: Optimizers = None,
     restore_rng: bool = False,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Load weights (and optimizer state, RNG when asked) in place; return the saved train state.
     Collective: rank 0 resolves and judges the checkpoint and sends its choice; the other ranks
@@ -97,7 +98,7 @@ def load_checkpoint(
     path = chosen.path
     store = store_for(path)
     parts = state_dicts(model, optimizer)
-    state = merged(parts)
+    state = merged(parts) | ({"extra": extra} if extra else {})  # `extra` is loaded in place
     try:
         with single_process_quiet():
             dcp.load(state, storage_reader=store.reader(path), no_dist=not distributed())

@@ -18,6 +18,10 @@ DEFINING = (
     "optimizer.",
     "scheduler.",
     "data.",
+    # How replica groups synchronize: a group that heals from another must do it alike.
+    "fault_tolerance.sync",
+    "fault_tolerance.outer_",
+    "fault_tolerance.fragment",
     "train.seq_len",
     "train.seed",
     "train.loss",

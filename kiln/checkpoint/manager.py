@@ -194,16 +194,25 @@ class CheckpointManager:
             f"{current} here; {how}."
         )
 
-    def restore(self, start: StartPoint, *, model: Modules, optimizer: Optimizers) -> dict | None:
-        """Load what `start` names into the model (and optimizer, RNG); return the saved train
-        state to continue from, or None for a warm start or scratch."""
+    def restore(
+        self,
+        start: StartPoint,
+        *,
+        model: Modules,
+        optimizer: Optimizers,
+        extra: dict[str, torch.Tensor] | None = None,
+    ) -> dict | None:
+        """Load what `start` names into the model (and optimizer, RNG, `extra` when resuming);
+        return the saved train state to continue from, or None for a warm start or scratch."""
         if start.kind is StartKind.SCRATCH:
             return None
         if start.kind is StartKind.WARM_START:
             load_checkpoint(start.path, model=model)
             _say(f"initial weights from {start.path}")
             return None
-        state = load_checkpoint(start.path, model=model, optimizer=optimizer, restore_rng=True)
+        state = load_checkpoint(
+            start.path, model=model, optimizer=optimizer, restore_rng=True, extra=extra
+        )
         where = "resumed from" if start.kind is StartKind.RESUME else "continuing"
         _say(f"{where} {start.path} (step {state['step']}) in {self.dir}")
         skipped = [{"path": str(s.path), "reason": s.reason} for s in start.skipped]

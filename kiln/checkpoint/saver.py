@@ -148,9 +148,11 @@ class CheckpointSaver:
         config: JobConfig,
         train_state: dict[str, Any],
         tokenizer_path: Path | None = None,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> SaveRecord | None:
         """Write step `step`. Sync: commit it and return its record. Async: return None once the
-        state is staged; `wait` commits it. A save still in flight is finished first."""
+        state is staged; `wait` commits it. A save still in flight is finished first. `extra`:
+        more tensors (DTensors sharded as the parameters) the run resumes from (DiLoCo's)."""
         self.wait(after_step=step)  # one save in flight at most
         started = time.monotonic()
         partial = layout.partial_dir(self.root, step)
@@ -162,7 +164,7 @@ class CheckpointSaver:
             )
         raise_any_failure(failure)
         raise_any_failure(self._attempt(step, lambda: self._write_rng(partial)))
-        state = merged_state(model, optimizer)
+        state = merged_state(model, optimizer) | ({"extra": extra} if extra else {})
         if self._stager is not None:
             with single_process_quiet():
                 future = dcp.async_save(

@@ -61,6 +61,23 @@ class StepLog:
     """Which steps are logged (every `log_interval`, the first, the last, and eval steps), and
     their records: loss, throughput and MFU over the window since the previous log line."""
 
+    @classmethod
+    def opened(
+        cls,
+        cfg: JobConfig,
+        *,
+        start_step: int,
+        is_main: bool,
+        num_devices: int,
+        device: torch.device,
+    ) -> StepLog:
+        """The training run's log: metrics.jsonl and metrics.backends on the main rank."""
+        from kiln.metrics.backends import open_backends
+
+        backends = open_backends(cfg, start_step=start_step) if is_main else ()
+        common = {"start_step": start_step, "is_main": is_main, "num_devices": num_devices}
+        return cls(cfg, **common, device=device, backends=backends)
+
     def __init__(
         self,
         cfg: JobConfig,

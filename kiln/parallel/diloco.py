@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from kiln.config.sections import FaultToleranceConfig
+from kiln.config.sections import FaultToleranceConfig, JobConfig
 
 if TYPE_CHECKING:
     from kiln.parallel.replica_groups import ReplicaGroups
@@ -206,6 +206,22 @@ class DiLoCoSync:
         self.outer.assign(self.local(), names)
         return committed
 
+    def resume_tensors(self, train_state: dict[str, Any] | None) -> dict[str, torch.Tensor] | None:
+        """What a resume loads the outer state into, when the checkpoint holds it (not a warm
+        start, nor a checkpoint of another sync mode: their synchronized weights are the ones
+        loaded)."""
+        return self.checkpoint_tensors() if "diloco_syncs" in (train_state or {}) else None
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The outer state as a checkpoint holds it: each tensor sharded as its parameter (a
+        DTensor over this rank's local shard), so a resume in another layout reshards it.
+        Loading into these loads into the outer state (they share its storage)."""
+        out = {}
+        for kind, tensors in self.outer.state_dict().items():
+            for name, local in tensors.items():
+                out[f"{kind}.{name}"] = _like(self.params[name], local)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """What a rejoining group needs besides the weights (cloned: the sender trains on)."""
         state = {
@@ -217,11 +233,44 @@ class DiLoCoSync:
         self.outer.load_state_dict(state)
         self.syncs = state["syncs"]
 
+    def train_state(self) -> dict[str, int]:
+        """What a checkpoint's train state says of DiLoCo: the syncs committed (the next
+        fragment; its presence tells a resume that the outer state is in the checkpoint)."""
+        return {"diloco_syncs": self.syncs}
+
+    def restored(self, train_state: dict[str, Any] | None) -> None:
+        """After a resume that loaded the outer state (`train_state`: the checkpoint's), its
+        syncs; after any other start (None), the synchronized weights are the current ones."""
+        if train_state is None:
+            self.reset()
+        else:
+            self.syncs = train_state["diloco_syncs"]
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a tensor sharded like `param` (the same storage)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
+        run_check=False,
+    )  # fmt: skip
+
+
 def _scalar(value: float, like: list[torch.Tensor]) -> torch.Tensor:
     reference = like[0] if like else torch.zeros(())
     return torch.full((1,), value, dtype=reference.dtype, device=reference.device)
+
+
+def diloco_sync(
+    cfg: JobConfig, replicas: ReplicaGroups | None, model_parts: list[torch.nn.Module]
+) -> DiLoCoSync | None:
+    """This rank's DiLoCo under `[fault_tolerance] sync = "diloco"`; None otherwise."""
+    ft = cfg.fault_tolerance
+    if not ft.enabled or ft.sync != "diloco":
+        return None
+    return DiLoCoSync(ft, replicas, model_parts, blocks=cfg.model.n_layers)

@@ -20,7 +20,6 @@ from kiln.data.loader import BatchLoader
 from kiln.data.sources import training_tokenizer
 from kiln.errors import KilnError
 from kiln.events import EventLog
-from kiln.metrics.backends import open_backends
 from kiln.metrics.layout_report import startup_summary
 from kiln.metrics.plot import redraw_loss_curve
 from kiln.metrics.profiler import StepProfiler
@@ -29,7 +28,7 @@ from kiln.parallel.agree import gather_from_all
 from kiln.parallel.apply import build_parallel_model
 from kiln.parallel.collectives import collective_failure, is_collective_failure
 from kiln.parallel.device import pick_device
-from kiln.parallel.diloco import DiLoCoSync
+from kiln.parallel.diloco import diloco_sync
 from kiln.parallel.mesh import init_training_parallel
 from kiln.parallel.replica_groups import group_run_config, join_replica_groups
 from kiln.resilience import NanGuard, PreemptionFlag, StepWatchdog, flight_recorder, health
@@ -71,20 +70,14 @@ class Trainer:
         self.replicas = join_replica_groups(
             cfg, self.parallel, self._peer_state, self._load_peer_state, events=self.events
         )
-        diloco = cfg.fault_tolerance.enabled and cfg.fault_tolerance.sync == "diloco"
+        self.diloco = diloco_sync(cfg, self.replicas, self.model_parts)
         self.step_fn = TrainStep(
             cfg,
             self.parallel,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             sources=self.sources,
-            replicas=None if diloco else self.replicas,  # DiLoCo: each group steps on its own
-        )
-        blocks = cfg.model.n_layers
-        self.diloco = (
-            DiLoCoSync(cfg.fault_tolerance, self.replicas, self.model_parts, blocks=blocks)
-            if diloco
-            else None
+            replicas=None if self.diloco else self.replicas,  # DiLoCo: each group on its own
         )
         self.tasks = TaskEval(cfg, self.parallel, self.model_parts, sources=self.sources)
         self.loader = BatchLoader.for_training(
@@ -100,28 +93,32 @@ class Trainer:
             self.loader.check_order(start.train_state)
         self.nan_guard = NanGuard.from_config(cfg.resilience)
         self._restore(start) if self.replicas is None or self.diloco else self._join(start)
-        if self.diloco is not None:
-            self.diloco.reset()  # the synchronized weights: the restored ones
         # Only a run that could start records its config: a failed attempt leaves the run dir as it was.
         if self.parallel.is_main:
             write_config(cfg, self.run_dir / "config.toml")
             world = self.parallel.job_world_size
             peer = self.replicas.peer_start() if self.replicas is not None else None
             print(startup_summary(cfg, world, start.path, start.step, peer_start=peer), flush=True)
-        main, max_steps = self.parallel.is_main, cfg.train.max_steps
+        main = self.parallel.is_main
         self.end = RunEnd(
-            self.checkpoints, self.events, save=self.save, max_steps=max_steps, is_main=main
+            self.checkpoints,
+            self.events,
+            save=self.save,
+            max_steps=cfg.train.max_steps,
+            is_main=main,
         )
         self.time_limit = TimeLimit(cfg.train.time_limit_minutes, enabled=main)
         self.iteration_seconds: deque[float] = deque(maxlen=20)
 
     def train(self) -> list[dict]:
-        """Run to train.max_steps (or train.stop_at_step, or train.time_limit_minutes) with a
-        checkpoint at the end; return the logged records. Raises Preempted, after a checkpoint,
-        when a rank was signalled (SIGTERM/SIGUSR1/SIGINT)."""
+        """Run to train.max_steps (or stop_at_step, time_limit_minutes), checkpoint, return the
+        logged records; raises Preempted after a checkpoint when a rank was signalled."""
         preemption = PreemptionFlag()
         watchdog = StepWatchdog(self.cfg.resilience.step_timeout_s, rank=self.parallel.rank)
-        log, main = self._step_log(), self.parallel.is_main
+        main, world = self.parallel.is_main, self.parallel.job_world_size
+        log = StepLog.opened(
+            self.cfg, start_step=self.step, is_main=main, num_devices=world, device=self.device
+        )
         profiler = StepProfiler(self.cfg, rank=self.parallel.rank, device=self.device)
         try:
             records = self._loop(preemption, watchdog, log, profiler)
@@ -209,7 +206,11 @@ class Trainer:
         return result
 
     def _restore(self, start: StartPoint) -> None:
-        state = self.checkpoints.restore(start, model=self.model_parts, optimizer=self.optimizers)
+        outer = self.diloco.resume_tensors(start.train_state) if self.diloco else None
+        parts = {"model": self.model_parts, "optimizer": self.optimizers}
+        state = self.checkpoints.restore(start, **parts, extra=outer)
+        if self.diloco is not None:  # its syncs, or synchronized: the weights loaded (or drawn)
+            self.diloco.restored(state if outer is not None else None)
         if state is not None:
             self._continue_from(state)
         optimizer_train_point(self.optimizers)  # a checkpoint holds Schedule-Free's eval point
@@ -241,16 +242,6 @@ class Trainer:
         self._continue_from(state["train"])
         if self.diloco is not None:
             self.diloco.load_state_dict(state["diloco"])
-
-    def _step_log(self) -> StepLog:
-        return StepLog(
-            self.cfg,
-            start_step=self.step,
-            is_main=self.parallel.is_main,
-            num_devices=self.parallel.job_world_size,
-            device=self.device,
-            backends=open_backends(self.cfg, start_step=self.step) if self.parallel.is_main else (),
-        )
 
     def _log(self, result: StepResult, log: StepLog) -> dict:
         loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
@@ -300,6 +291,7 @@ class Trainer:
                 config=self.cfg,
                 train_state=self._train_state(),
                 tokenizer_path=training_tokenizer(self.cfg.data, self.sources),
+                extra=self.diloco.checkpoint_tensors() if self.diloco is not None else None,
             )
         if self.parallel.is_main:  # a preempted run has its plot too
             redraw_loss_curve(self.cfg)
@@ -307,6 +299,7 @@ class Trainer:
     def _train_state(self) -> dict:
         """Where the run is: the data position, the tokens trained on, the run's settings."""
         data = self.loader.state_dict() | self.step_fn.state_dict()
+        data |= self.diloco.train_state() if self.diloco is not None else {}
         return data | {"tokens_seen": self.tokens_seen, "fingerprint": self.fingerprint()}
 
     def fingerprint(self) -> dict:

@@ -62,6 +62,7 @@ def test_a_killed_group_rejoins_at_a_sync_and_the_groups_end_equal(tmp_path, dem
     import time
 
     from kiln.events import read_events
+    from tests.distributed.launch import log
     from tests.distributed.test_fault_tolerance import logged_steps, wait_until
 
     run, logs, steps = tmp_path / "run", tmp_path / "logs", 80
@@ -71,6 +72,14 @@ def test_a_killed_group_rejoins_at_a_sync_and_the_groups_end_equal(tmp_path, dem
         args = [[*base, *fault_tolerance(house.address, g), *diloco] for g in (0, 1)]
         gate = tmp_path / "gate"  # the restarted group waits, imported, until let join
         again = start_ranks(1, [f"--test-gate={gate}", *args[1]], logs / "again", module=WORKER)
+        # Another sync interval: refused when it heals, naming the difference.
+        wrong_gate, wrong_args = (
+            tmp_path / "wrong_gate",
+            [*args[1], "--fault_tolerance.sync_every=8"],
+        )
+        wrong = start_ranks(
+            1, [f"--test-gate={wrong_gate}", *wrong_args], logs / "wrong", module=WORKER
+        )
         group_0 = start_ranks(1, args[0], logs / "g0", module=WORKER)
         group_1 = start_ranks(1, args[1], logs / "g1", module=WORKER)
         wait_until(lambda: len(logged_steps(run / "replica_group_1")) >= 6, group_1, "6 steps")
@@ -82,6 +91,9 @@ def test_a_killed_group_rejoins_at_a_sync_and_the_groups_end_equal(tmp_path, dem
             for e in read_events(run / "replica_group_0")
         )
         wait_until(alone, group_0, "group 0 syncing alone")
+        wrong_gate.touch()
+        assert wait_all(wrong, timeout=120) != [0]
+        assert "fault_tolerance.sync_every: 4 -> 8" in log(logs / "wrong")
         gate.touch()
         assert wait_all(group_0 + again, timeout=240) == [0, 0]
     healed = [
@@ -93,3 +105,39 @@ def test_a_killed_group_rejoins_at_a_sync_and_the_groups_end_equal(tmp_path, dem
         for g in (0, 1)
     )
     assert all(torch.equal(model_0[k], model_1[k]) for k in model_0)
+
+
+def test_a_diloco_run_resumed_reproduces_the_uninterrupted_losses(tmp_path, demo_data):
+    """Both groups stop at step 8 (a sync, and a checkpoint of each group's own with the outer
+    state) and resume to 16: each group's losses are bitwise those of the run that did not stop
+    (the same operations on the same values). Steps 13-16 follow the outer step of step 12,
+    which uses the momentum the checkpoint carried."""
+    import json
+
+    def run(run_dir, *extra: str) -> None:
+        base = kiln_args(
+            run_dir, demo_data, "--train.max_steps=16", f"--checkpoint.interval={SYNC_EVERY}"
+        )
+        diloco = ["--fault_tolerance.sync=diloco", f"--fault_tolerance.sync_every={SYNC_EVERY}"]
+        with lighthouse(tmp_path / f"lighthouse_{run_dir.name}.txt", min_replicas=2) as house:
+            groups = [
+                start_ranks(
+                    1,
+                    [*base, *fault_tolerance(house.address, g), *diloco, *extra],
+                    tmp_path / "logs" / f"{run_dir.name}_{g}_{len(extra)}",
+                    module=WORKER,
+                )
+                for g in (0, 1)
+            ]
+            assert wait_all(groups[0] + groups[1], timeout=240) == [0, 0]
+
+    def losses(run_dir, group: int) -> dict[int, float]:
+        lines = (run_dir / f"replica_group_{group}" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run(whole)
+    run(resumed, "--train.stop_at_step=8")
+    run(resumed)
+    for group in (0, 1):
+        assert losses(resumed, group) == losses(whole, group), group
