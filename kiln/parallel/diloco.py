@@ -9,9 +9,6 @@ outer step that needs it.
 This module is the algorithm on one rank's shards: which fragment a parameter belongs to, when
 a fragment prepares and performs its sync, and the outer optimizer's state. Forming the quorum,
 the all-reduce and the commit are the replica groups' (kiln/parallel/replica_groups.py).
-
-WORK IN PROGRESS (branch wip/diloco): wired for the sync and the heal; checkpoints do not hold
-the outer state yet.
 """
 
 from __future__ import annotations
@@ -154,6 +151,7 @@ class DiLoCoSync:
         self.syncs = 0
         self.in_flight: tuple[list[str], torch.Tensor, Any] | None = None
         self.reset()
+        replicas.share_state("diloco", self.load_state_dict, self.state_dict)
 
     def reset(self) -> None:
         """The synchronized weights are the current ones (a start, a resume, a heal)."""

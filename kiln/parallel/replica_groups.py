@@ -82,6 +82,7 @@ class ReplicaGroups:
         self.healed_from: tuple[int, int] | None = None
         # A quorum is formed before each step and used by its commit.
         self.in_quorum = False
+        self.shared: dict[str, tuple[Callable, Callable]] = {}
 
     def connect(self) -> None:
         """Join the lighthouse: from here on the group heartbeats and counts in quorums, so
@@ -133,6 +134,13 @@ class ReplicaGroups:
             replica_id=f"kiln_{self.group}",
             **_group_store(parallel.world_size),
         )
+        for key, (load_fn, state_fn) in self.shared.items():
+            self.manager.register_state_dict_fn(key, load_fn, state_fn)
+
+    def share_state(self, key: str, load_fn: Callable, state_fn: Callable) -> None:
+        """More state a live group sends a rejoining one under `key` (DiLoCo's), loaded after
+        the trainer's (whose check refuses another run's first)."""
+        self.shared[key] = load_fn, state_fn
 
     def start_step(self, step: int) -> Quorum:
         """The quorum of step `step` (1-based); a group behind the others loads a peer's

@@ -99,13 +99,9 @@ class Trainer:
             world = self.parallel.job_world_size
             peer = self.replicas.peer_start() if self.replicas is not None else None
             print(startup_summary(cfg, world, start.path, start.step, peer_start=peer), flush=True)
-        main = self.parallel.is_main
+        main, max_steps = self.parallel.is_main, cfg.train.max_steps
         self.end = RunEnd(
-            self.checkpoints,
-            self.events,
-            save=self.save,
-            max_steps=cfg.train.max_steps,
-            is_main=main,
+            self.checkpoints, self.events, save=self.save, max_steps=max_steps, is_main=main
         )
         self.time_limit = TimeLimit(cfg.train.time_limit_minutes, enabled=main)
         self.iteration_seconds: deque[float] = deque(maxlen=20)
@@ -231,8 +227,7 @@ class Trainer:
         """What a live group sends a rejoining one, at a step boundary."""
         guard = {"nan_guard": (self.nan_guard.consecutive, self.nan_guard.skipped_total)}
         train = self._train_state() | {"step": self.step} | guard
-        state = peer_state(train, self.parallel.degrees, self.model_parts, self.optimizers)
-        return state | ({"diloco": self.diloco.state_dict()} if self.diloco is not None else {})
+        return peer_state(train, self.parallel.degrees, self.model_parts, self.optimizers)
 
     def _load_peer_state(self, state: dict) -> None:
         own = {"train": {"fingerprint": self.fingerprint()}, "layout": self.parallel.degrees}
@@ -240,8 +235,6 @@ class Trainer:
         load_local_state(self.model_parts, self.optimizers, state["parts"])
         self.nan_guard.consecutive, self.nan_guard.skipped_total = state["train"]["nan_guard"]
         self._continue_from(state["train"])
-        if self.diloco is not None:
-            self.diloco.load_state_dict(state["diloco"])
 
     def _log(self, result: StepResult, log: StepLog) -> dict:
         loss, grad_norm, lr = result.loss, result.grad_norm, result.lr

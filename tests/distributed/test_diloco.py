@@ -1,5 +1,5 @@
 """DiLoCo across replica groups with real processes: a lighthouse and two groups of one rank on
-gloo. WORK IN PROGRESS (branch wip/diloco)."""
+gloo (docs/fault_tolerance.md, "DiLoCo: groups on a slow link")."""
 
 from __future__ import annotations
 

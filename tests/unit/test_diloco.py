@@ -1,6 +1,6 @@
 """DiLoCo's outer step on one rank's shards (kiln/parallel/diloco.py), against torch's SGD and
 a hand-written reference of the algorithm on the same pseudo-gradients; the sync schedule and
-the fragments. WORK IN PROGRESS (branch wip/diloco): the loop does not use it yet."""
+the fragments; the settings DiLoCo refuses."""
 
 from __future__ import annotations
 
