@@ -13,7 +13,6 @@ the all-reduce and the commit are the replica groups' (kiln/parallel/replica_gro
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -22,13 +21,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import FaultToleranceConfig, JobConfig
+from kiln.model.parallel_plan import ParallelPlan, blocks_of
+from kiln.model.registry import family_of
 
 if TYPE_CHECKING:
     from kiln.parallel.replica_groups import ReplicaGroups
-
-# Parameters outside the blocks: the embedding goes with the first fragment, everything after
-# the last block (final norm, output head, multi-token prediction) with the last.
-_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class SyncPhase(StrEnum):
@@ -70,23 +67,26 @@ class Schedule:
         return syncs % self.fragments
 
 
-def fragment_of(names: list[str], *, blocks: int, fragments: int) -> dict[str, int]:
-    """Each parameter's fragment, by name: blocks in `fragments` contiguous runs (the first ones
-    a block longer when they do not divide), what precedes the blocks in fragment 0 and what
-    follows them in the last."""
+def fragment_of(
+    names: list[str], *, block_of: dict[str, int], blocks: int, fragments: int
+) -> dict[str, int]:
+    """Each parameter's fragment: blocks (`block_of`: a parameter's block index, from the
+    model's plan) in `fragments` contiguous runs, the first ones a block longer when they do not
+    divide; a parameter of no block before the first block's in `names` (the order of the
+    model's parameters: the embedding) in fragment 0, one after (final norm, head) in the last."""
     assert 1 <= fragments <= blocks, "validated in the config"
     base, extra = divmod(blocks, fragments)
     first_block, start = [], 0
     for index in range(fragments):
         first_block.append(start)
         start += base + (index < extra)
-    out = {}
+    out, seen_block = {}, False
     for name in names:
-        match = _BLOCK.search(name)
-        if match is None:
-            out[name] = 0 if name.startswith(("tok_embeddings", "embed")) else fragments - 1
+        if name not in block_of:
+            out[name] = fragments - 1 if seen_block else 0
             continue
-        block = int(match.group(1))
+        seen_block = True
+        block = min(block_of[name], blocks - 1)  # extra blocks (multi-token prediction): last
         out[name] = max(i for i, first in enumerate(first_block) if first <= block)
     return out
 
@@ -142,12 +142,21 @@ class DiLoCoSync:
         replicas: ReplicaGroups,
         model_parts: list[torch.nn.Module],
         *,
+        plan: ParallelPlan,
         blocks: int,
     ):
         self.schedule = Schedule(cfg.sync_every, cfg.fragments, cfg.fragment_sync_delay)
         self.replicas, self.settings = replicas, cfg
         self.params = {n: p for part in model_parts for n, p in part.named_parameters()}
-        self.fragment = fragment_of(list(self.params), blocks=blocks, fragments=cfg.fragments)
+        block_of = {
+            f"{block.path}.{name}": block.layer
+            for part in model_parts
+            for block in blocks_of(part, plan)
+            for name, _ in block.module.named_parameters()
+        }
+        self.fragment = fragment_of(
+            list(self.params), block_of=block_of, blocks=blocks, fragments=cfg.fragments
+        )
         self.syncs = 0
         self.in_flight: tuple[list[str], torch.Tensor, Any] | None = None
         self.reset()
@@ -271,4 +280,5 @@ def diloco_sync(
     ft = cfg.fault_tolerance
     if not ft.enabled or ft.sync != "diloco":
         return None
-    return DiLoCoSync(ft, replicas, model_parts, blocks=cfg.model.n_layers)
+    plan = family_of(cfg.model).parallel_plan(cfg.model)
+    return DiLoCoSync(ft, replicas, model_parts, plan=plan, blocks=cfg.model.n_layers)

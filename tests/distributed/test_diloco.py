@@ -48,7 +48,9 @@ def test_groups_hold_the_same_weights_after_each_sync(tmp_path, demo_data, strea
         assert all(torch.equal(model_0[k], model_1[k]) for k in model_0)
         return
     names = list(model_0)
-    fragment = fragment_of(names, blocks=load_config(DEBUG_CONFIG).model.n_layers, fragments=2)
+    block_of = {name: int(name.split(".")[1]) for name in names if name.startswith("layers.")}
+    blocks = load_config(DEBUG_CONFIG).model.n_layers
+    fragment = fragment_of(names, block_of=block_of, blocks=blocks, fragments=2)
     assert all(torch.equal(model_0[k], model_1[k]) for k in names if fragment[k] == 1)
     assert not all(torch.equal(model_0[k], model_1[k]) for k in names if fragment[k] == 0)
 

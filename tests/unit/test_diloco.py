@@ -135,7 +135,8 @@ def test_fragments_are_contiguous_blocks_with_the_embedding_first_and_the_head_l
         "norm.weight",
         "output.weight",
     ]
-    fragments = fragment_of(names, blocks=5, fragments=2)
+    block_of = {name: int(name.split(".")[1]) for name in names if name.startswith("layers.")}
+    fragments = fragment_of(names, block_of=block_of, blocks=5, fragments=2)
     assert fragments == {
         "tok_embeddings.weight": 0,
         "layers.0.attention.wq.weight": 0,
