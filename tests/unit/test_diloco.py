@@ -65,6 +65,7 @@ def test_the_outer_step_matches_the_papers_update_rule():
         for name, delta in (("a", delta_a), ("b", delta_b)):
             velocity[name] = MOMENTUM * velocity[name] + delta.double()
             theta[name] = theta[name] - LR * (delta.double() + MOMENTUM * velocity[name])
+            # Elementwise IEEE float32 operations: the same rounding on any x86 CPU, Intel or AMD.
             torch.testing.assert_close(outer.synced[name].double(), theta[name], rtol=0, atol=4e-6)
 
 
@@ -82,6 +83,7 @@ def test_sync_every_step_with_outer_sgd_of_lr_1_and_no_momentum_averages_the_wei
     deltas = [outer.pseudo_gradients(local, ["a", "b"]) for local in groups]
     outer.step(["a", "b"], [sum(d) / 3 for d in zip(*deltas, strict=True)])
     for name in ("a", "b"):
+        # Elementwise IEEE float32 operations: the same rounding on any x86 CPU, Intel or AMD.
         torch.testing.assert_close(outer.synced[name], mean_weights[name], rtol=0, atol=4e-6)
     alone = OuterOptimizer(start, lr=1.0, momentum=0.0)
     (local,) = [{n: w.clone() for n, w in start.items()}]
