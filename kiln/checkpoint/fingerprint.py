@@ -1,5 +1,5 @@
 """What makes two runs the same run: the settings that change the math of training (model,
-optimizer, schedule, data, sequence length, seed, global batch). A checkpoint records them, and
+optimizer, schedule, data, sequence length and its phases, seed, global batch and its ramp). A checkpoint records them, and
 resuming under different ones is refused unless forced; the layout, logging and checkpoint
 settings, and where an invocation stops (train.stop_at_step, train.time_limit_minutes) may change
 freely between restarts. train.max_steps is the horizon of a decaying learning-rate schedule, so it
@@ -22,7 +22,8 @@ DEFINING = (
     "fault_tolerance.sync",
     "fault_tolerance.outer_",
     "fault_tolerance.fragment",
-    "train.seq_len",
+    "train.seq_len",  # and train.seq_len_schedule
+    "train.batch_schedule",
     "train.seed",
     "train.loss",
     "train.z_loss_weight",
@@ -48,6 +49,10 @@ def run_fingerprint(cfg: JobConfig, *, global_batch: int) -> dict[str, Any]:
         if key.startswith(DEFINING) and key not in NOT_DEFINING
     }
     kept["train.loss"] = SAME_LOSS.get(cfg.train.loss, cfg.train.loss)
+    ramp = cfg.train.batch_schedule
+    if ramp.tokens:  # the ramp's rounding, resolved: the default follows the layout's micro-batch
+        row = global_batch // cfg.train.grad_accum_steps
+        kept["train.batch_schedule.multiple_of"] = ramp.multiple_of or row
     if cfg.scheduler.name not in FLAT_SCHEDULES:
         kept["train.max_steps"] = cfg.train.max_steps
     return {**kept, "train.global_batch": global_batch}

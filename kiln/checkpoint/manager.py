@@ -163,6 +163,14 @@ class CheckpointManager:
             if horizon
             else ""
         )
+        multiple = next((c for c in changes if c.startswith("train.batch_schedule.multiple_")), 0)
+        if multiple and self.train.batch_schedule.multiple_of == 0:
+            was = saved["train.batch_schedule.multiple_of"]
+            why += (
+                f" The batch ramp rounds every step's batch to a multiple of {was} sequences "
+                f"(one micro-batch on every data rank of the run that wrote it); pass "
+                f"--train.batch_schedule.multiple_of={was} to keep its steps on this layout."
+            )
         saved_batch = saved.get("train.global_batch")  # older runs did not record it
         if saved_batch is not None and saved_batch != current["train.global_batch"]:
             why += self._batch_hint(saved_batch, current["train.global_batch"])

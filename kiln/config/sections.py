@@ -40,6 +40,8 @@ ExportHf = Literal["never", "final", "every_save"]
 NanAction = Literal["stop", "rollback"]
 FaultToleranceSync = Literal["every_step", "diloco"]
 SpikeAction = Literal["none", "skip"]
+BatchRampShape = Literal["linear", "step"]
+ScheduleUnit = Literal["steps", "tokens"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 
@@ -162,7 +164,37 @@ class ModelConfig:
 
 
 @dataclass
+class BatchScheduleConfig:
+    """`[train.batch_schedule]`: the global batch (in sequences) ramped over the tokens seen, as
+    DeepSeek-V3 did; it grows by more micro-batches per step, never by another micro-batch shape
+    (docs/configuration.md, "Batch-size schedule"). Empty `tokens`: no ramp."""
+
+    # Points of the ramp: at `tokens[i]` tokens seen the global batch is `sequences[i]`; the
+    # first point is at 0 and the last value is the recipe's global batch.
+    tokens: list[int] = field(default_factory=list)
+    sequences: list[int] = field(default_factory=list)
+    # "linear": in between, the line through the points, rounded down to `multiple_of`;
+    # "step": each point's batch holds until the next point.
+    shape: BatchRampShape = "linear"
+    # Every step's global batch is a multiple of this many sequences (0: one micro-batch on
+    # every data rank, train.batch_size × data ranks); set it to resume at another layout.
+    multiple_of: int = 0
+
+
+@dataclass
+class SeqLenPhase:
+    """`[[train.seq_len_schedule]]`: train at `seq_len` until `until_tokens` tokens are seen."""
+
+    seq_len: int = 0
+    until_tokens: int = 0
+    # Sequences per micro-batch in this phase (0: the recipe's micro-batch tokens,
+    # train.batch_size × train.seq_len / seq_len).
+    batch_size: int = 0
+
+
+@dataclass
 class TrainConfig:
+    # The sequence length; under seq_len_schedule, that of the last (longest) phase.
     seq_len: int = 256
     batch_size: int = 8
     grad_accum_steps: int = 1
@@ -181,6 +213,9 @@ class TrainConfig:
     # Tokens whose logits the chunked loss holds at once (ignored by cross_entropy).
     loss_chunk_tokens: int = 2048
     z_loss_weight: float = 0.0
+    batch_schedule: BatchScheduleConfig = field(default_factory=BatchScheduleConfig)
+    # Shorter sequences first: phases in order, each until its token count; then train.seq_len.
+    seq_len_schedule: list[SeqLenPhase] = field(default_factory=list)
 
 
 @dataclass
@@ -235,6 +270,10 @@ class OptimizerConfig:
 @dataclass
 class SchedulerConfig:
     name: SchedulerName = "cosine"
+    # What the schedule runs over: optimizer steps, or tokens (the tokens of that many steps at
+    # the full batch and sequence length: under a batch or sequence-length schedule, the two
+    # differ).
+    unit: ScheduleUnit = "steps"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     decay_ratio: float = 0.2

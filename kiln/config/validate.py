@@ -21,6 +21,7 @@ from kiln.config.validate_float8 import float8_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
 from kiln.config.validate_observability import observability_problems
 from kiln.config.validate_optimizer import optimizer_problems
+from kiln.config.validate_schedules import schedule_problems
 from kiln.config.validate_spikes import spike_problems
 from kiln.errors import ConfigError
 
@@ -43,7 +44,12 @@ def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     problems += _data_problems(cfg) + _eval_problems(cfg) + eval_task_problems(cfg)
     problems += observability_problems(cfg, world_size) + fault_tolerance_problems(cfg)
     problems += spike_problems(cfg)
-    return problems + _layout_problems(cfg, world_size) + _pipeline_problems(cfg)
+    layout = _layout_problems(cfg, world_size)
+    if not layout and min(cfg.train.batch_size, cfg.train.grad_accum_steps) > 0:
+        degrees = resolve_layout(cfg.distributed, world_size)
+        data_ranks = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
+        problems += schedule_problems(cfg, data_ranks=data_ranks)
+    return problems + layout + _pipeline_problems(cfg)
 
 
 def resolve_layout(dist: DistributedConfig, world_size: int) -> dict[str, int]:

@@ -66,10 +66,16 @@ class TokenDataset:
 
     def sample(self, i: int) -> np.ndarray:
         """Tokens of sample i as int64, length seq_len + 1."""
+        return self.window(i, offset=0, length=self.seq_len)
+
+    def window(self, i: int, *, offset: int, length: int) -> np.ndarray:
+        """`length` + 1 tokens of sample i from `offset` on (a shorter sequence inside the
+        sample: a sequence-length phase reads each sample as seq_len / length of them)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
-        start = i * self.seq_len
-        return self.read(start, start + self.seq_len + 1)
+        assert 0 <= offset and offset + length <= self.seq_len, (offset, length, self.seq_len)
+        start = i * self.seq_len + offset
+        return self.read(start, start + length + 1)
 
     def read(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) of the concatenated stream as int64."""

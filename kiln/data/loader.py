@@ -1,7 +1,9 @@
 """Deterministic, resumable batches: which sample sits where is a function of (seed, global sample index).
 
-The global batch of an optimizer step is the `global_batch` consecutive global sample indices
-starting at `samples_seen`. Micro-batch m of data rank r reads the slice
+The global batch of an optimizer step is the consecutive global sample indices starting at
+`samples_seen`, as many as the step's shape holds (`kiln/config/training_schedule.py`: the batch
+ramp sets the micro-batches, a sequence-length phase their rows and length, both from the tokens
+read so far). Micro-batch m of data rank r reads the slice
 [m * data_ranks * batch_size + r * batch_size, ... + batch_size) of it, so dp=4/accum=1 and
 dp=1/accum=4 put every sample into the same optimizer step.
 
@@ -26,7 +28,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from kiln.config import JobConfig
-from kiln.config.sections import DataConfig
+from kiln.config.sections import DataConfig, TrainConfig
+from kiln.config.training_schedule import TrainingSchedule
 from kiln.data.dataset import TokenDataset
 from kiln.data.mixture import choose_datasets, probabilities_at, within_dataset_indices
 from kiln.data.permutation import permute
@@ -48,6 +51,10 @@ class ShuffledSamples:
     def __init__(self, dataset: TokenDataset, *, seed: int, shuffle: bool = True):
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
 
+    @property
+    def seq_len(self) -> int:
+        return self.dataset.seq_len
+
     def indices(self, ks: np.ndarray) -> np.ndarray:
         """Dataset index of each sample number in `ks` (int64)."""
         n = len(self.dataset)
@@ -61,9 +68,18 @@ class ShuffledSamples:
             out[at] = permute(offsets[at], n, seed=self.seed, epoch=epoch)
         return out
 
-    def read(self, ks: list[int]) -> list[np.ndarray]:
-        """Tokens of samples `ks`, with one permutation evaluation for all of them."""
-        return [self.dataset.sample(i) for i in self.indices(np.array(ks)).tolist()]
+    def read(self, ks: list[int], *, seq_len: int | None = None) -> list[np.ndarray]:
+        """Tokens of samples `ks`, with one permutation evaluation for all of them. With a
+        shorter `seq_len` (a sequence-length phase), sample k is window k % r of the dataset's
+        sample k // r, r = its seq_len / `seq_len`: whichever phase reads it, a sample's tokens
+        are read once per epoch."""
+        length = seq_len or self.dataset.seq_len
+        per_sample = self.dataset.seq_len // length
+        samples, windows = np.divmod(np.asarray(ks, dtype=np.int64), per_sample)
+        return [
+            self.dataset.window(i, offset=w * length, length=length)
+            for i, w in zip(self.indices(samples).tolist(), windows.tolist(), strict=True)
+        ]
 
     def sample(self, k: int) -> np.ndarray:
         return self.read([k])[0]
@@ -85,6 +101,9 @@ class StepBatch:
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, labels) per micro-batch
     dataset_ids: list[torch.Tensor]  # per micro-batch: each row's dataset index
     sample_ids: list[tuple[int, int, int]] = field(default_factory=list)  # (global, dataset, k)
+    # The tokens (positions) every data rank has read through this step: where the
+    # learning-rate schedule stands under scheduler.unit = "tokens".
+    tokens_after: int = 0
 
 
 class BatchLoader:
@@ -102,9 +121,18 @@ class BatchLoader:
         prefetch_steps: int = 2,
         pin_memory: bool = False,
         gather: Callable[[Any], list[Any]] | None = None,
+        schedule: TrainingSchedule | None = None,
     ):
         self.sources, self.cfg, self.seed = sources, cfg, seed
         self.batch_size, self.grad_accum_steps = batch_size, grad_accum_steps
+        # Every step's shape; without one, each step is `grad_accum_steps` micro-batches of
+        # `batch_size` samples of the data's own length.
+        fixed = TrainConfig(
+            seq_len=sources[0].samples.seq_len,
+            batch_size=batch_size,
+            grad_accum_steps=grad_accum_steps,
+        )
+        self.schedule = schedule or TrainingSchedule(fixed, data_ranks=data_ranks)
         self.data_ranks, self.data_rank = data_ranks, data_rank
         self.num_workers, self.prefetch_steps, self.pin_memory = (
             num_workers,
@@ -119,6 +147,8 @@ class BatchLoader:
             "samples_seen": 0,
             "counts": [0] * len(sources),
             "streams": {s.name: s.samples.position() for s in self._streams()},
+            "tokens": 0,
+            "seq_len": self.schedule.train.seq_len,  # the length `counts` are in
         }
         self._batches: Iterator[dict] | None = None
 
@@ -146,6 +176,7 @@ class BatchLoader:
             prefetch_steps=cfg.data.prefetch_steps,
             pin_memory=pin,
             gather=gather,
+            schedule=TrainingSchedule(cfg.train, data_ranks=data_ranks),
         )
 
     @property
@@ -169,6 +200,7 @@ class BatchLoader:
             micro_batches=[(tokens[m, :, :-1], labels[m]) for m in range(len(tokens))],
             dataset_ids=list(torch.from_numpy(out["datasets"])),
             sample_ids=[tuple(row) for row in out["sample_ids"]],
+            tokens_after=out["state"]["tokens"],
         )
 
     def _streams(self) -> list[Source]:
@@ -198,6 +230,8 @@ class BatchLoader:
             "dataset_counts": dict(zip(self._names(), self._state["counts"], strict=True)),
             "streams": self._gathered_streams(),
             "shuffle": SHUFFLE,
+            "data_tokens": self._state["tokens"],
+            "data_seq_len": self._state["seq_len"],
         }
 
     def _gathered_streams(self) -> dict[str, Any]:
@@ -220,11 +254,15 @@ class BatchLoader:
         self.check_order(state)
         counts = state.get("dataset_counts") or {self._names()[0]: state["samples_seen"]}
         step = state.get("data_step", state.get("step", 0))
+        # A checkpoint written before the schedules read whole samples at every step.
+        seq_len = int(state.get("data_seq_len", self.schedule.train.seq_len))
         self._state = {
             "step": int(step),
             "samples_seen": int(state["samples_seen"]),
             "counts": [int(counts.get(name, 0)) for name in self._names()],
             "streams": dict(state.get("streams", {})),
+            "tokens": int(state.get("data_tokens", int(state["samples_seen"]) * seq_len)),
+            "seq_len": seq_len,
         }
         for source in self._streams():
             note = source.samples.seek(self._state["streams"].get(source.name))
@@ -270,14 +308,15 @@ class BatchLoader:
 
     def plan(self, state: dict[str, Any]) -> dict[str, Any]:
         """Rows this rank reads at the step `state` points at, and the state after that step."""
-        first, n = state["samples_seen"], self.global_batch
+        shape = self.schedule.shape_at(state["tokens"])
+        first, n = state["samples_seen"], shape.sequences(self.data_ranks)
         choices = choose_datasets(self.seed, first, n, probabilities_at(self.cfg, state["step"]))
-        counts = np.array(state["counts"], dtype=np.int64)
+        counts = _counts_at(state["counts"], was=state["seq_len"], now=shape.seq_len)
         within = within_dataset_indices(choices, counts)
         rows = [
-            (m * self.data_ranks + self.data_rank) * self.batch_size + j
-            for m in range(self.grad_accum_steps)
-            for j in range(self.batch_size)
+            (m * self.data_ranks + self.data_rank) * shape.batch_size + j
+            for m in range(shape.micro_batches)
+            for j in range(shape.batch_size)
         ]
         streamed = self._read_streams(first, choices, rows)
         after = {
@@ -285,11 +324,14 @@ class BatchLoader:
             "samples_seen": first + n,
             "counts": (counts + np.bincount(choices, minlength=len(counts))).tolist(),
             "streams": {s.name: s.samples.position() for s in self.sources if s.samples.streaming},
+            "tokens": state["tokens"] + shape.tokens(self.data_ranks),
+            "seq_len": shape.seq_len,
         }
         return {
             "rows": [(first + r, int(choices[r]), int(within[r])) for r in rows],
             "streamed": streamed,
-            "micro": self.grad_accum_steps,
+            "micro": shape.micro_batches,
+            "seq_len": shape.seq_len,
             "state": after,
         }
 
@@ -305,6 +347,14 @@ class BatchLoader:
             if samples.streaming:
                 out[first + row] = samples.take()
         return out
+
+
+def _counts_at(counts: list[int], *, was: int, now: int) -> np.ndarray:
+    """Each dataset's samples read, in samples of length `now` when they were counted in `was`:
+    at a sequence-length phase's start. Rounded up: a longer length starts at the next whole
+    sample, skipping the rest of one it had begun (under one sample per dataset)."""
+    counts = np.array(counts, dtype=np.int64)
+    return counts if was == now else -((-counts * was) // now)
 
 
 class _Plans:
@@ -335,7 +385,8 @@ class _PlannedReader:
         """The step's arrays as numpy: pickled through the worker's pipe they reach the training
         process 2-3x faster than torch tensors in shared memory (benchmarks/data.md)."""
         streamed = plan["streamed"]
-        rows = self._read(plan["rows"], {g: window for g, (window, _) in streamed.items()})
+        windows = {g: window for g, (window, _) in streamed.items()}
+        rows = self._read(plan["rows"], windows, seq_len=plan["seq_len"])
         tokens = np.stack(rows).reshape(plan["micro"], -1, rows[0].shape[0])
         datasets = np.array([d for _, d, _ in plan["rows"]]).reshape(plan["micro"], -1)
         labels = tokens[:, :, 1:].copy()
@@ -355,7 +406,7 @@ class _PlannedReader:
         }
 
     def _read(
-        self, rows: list[tuple[int, int, int]], streamed: dict[int, np.ndarray]
+        self, rows: list[tuple[int, int, int]], streamed: dict[int, np.ndarray], *, seq_len: int
     ) -> list[np.ndarray]:
         """Tokens of each planned row: streamed ones as read, the others from their dataset,
         with one permutation evaluation per dataset."""
@@ -363,7 +414,7 @@ class _PlannedReader:
         for d, source in enumerate(self.sources):
             wanted = [i for i, (g, row_d, _) in enumerate(rows) if row_d == d and g not in streamed]
             if wanted:
-                tokens = source.samples.read([rows[i][2] for i in wanted])
+                tokens = source.samples.read([rows[i][2] for i in wanted], seq_len=seq_len)
                 for i, t in zip(wanted, tokens, strict=True):
                     out[i] = t
         return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.config import JobConfig, resolve_layout
+from kiln.config.training_schedule import TrainingSchedule
 from kiln.metrics.layout_summary import context_parallel_summary, float8_summary
 from kiln.model import count_params, flops_per_token
 from kiln.parallel.pipeline_split import pipeline_summary
@@ -68,6 +69,10 @@ def layout_report(cfg: JobConfig, world_size: int) -> list[str]:
         f"FLOPs per token (fwd+bwd, seq_len {seq_len}): {flops_per_token(cfg.model, seq_len):.4g}",
         f"global batch: {global_batch} sequences = {global_batch * seq_len:,} tokens per step",
     ]
+    schedule = TrainingSchedule(cfg.train, data_ranks=data_ranks).describe(cfg.train.max_steps)
+    if schedule:  # the batch ramp or the sequence-length phases: each phase of the run
+        lines += ["batch and sequence-length schedule (memory below: the last, longest phase):"]
+        lines += [f"  {line}" for line in schedule]
     # MoE: every expert has weights, gradients and moments; a token's activations are its top k's.
     experts = (
         (_expert_state_label(cfg.model, layout), f"top-{cfg.model.moe.top_k} experts, ")

@@ -1,14 +1,25 @@
-"""Learning-rate schedules as pure functions of the step, so resuming needs no scheduler state."""
+"""Learning-rate schedules as pure functions of the step (or of the tokens read, in steps at the
+full batch: `scheduler.unit = "tokens"`), so resuming needs no scheduler state."""
 
 from __future__ import annotations
 
 import math
 
-from kiln.config.sections import SchedulerConfig
+from kiln.config.sections import JobConfig, SchedulerConfig
+from kiln.config.training_schedule import TrainingSchedule
 
 
-def lr_factor(cfg: SchedulerConfig, step: int, max_steps: int) -> float:
-    """Multiplier of the peak learning rate for optimizer step `step` (1-based)."""
+def lr_horizon(cfg: JobConfig, schedule: TrainingSchedule) -> float:
+    """The schedule's end: train.max_steps, or under scheduler.unit = "tokens" the tokens the
+    run's steps read, in steps at the full batch and sequence length."""
+    if cfg.scheduler.unit == "steps":
+        return cfg.train.max_steps
+    return schedule.total_tokens(cfg.train.max_steps) / schedule.full_step_tokens
+
+
+def lr_factor(cfg: SchedulerConfig, step: float, max_steps: float) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (1-based; a fraction of
+    a step when the schedule runs over tokens) of a schedule `max_steps` long."""
     if cfg.name == "none":
         return 1.0
     if step <= cfg.warmup_steps:

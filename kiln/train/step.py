@@ -17,6 +17,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from kiln.config import JobConfig
+from kiln.config.training_schedule import TrainingSchedule
 from kiln.data.dataset import TokenDataset
 from kiln.data.loader import Source, StepBatch
 from kiln.data.mixture import lr_scale_at
@@ -39,7 +40,7 @@ from kiln.resilience.spike_guard import Crossed, SpikeGuard
 from kiln.train.evaluate import eval_loader, evaluate
 from kiln.train.grad_norm import clip_grad_norm
 from kiln.train.loss import chunked_token_loss_sum, count_valid, token_loss_sum
-from kiln.train.schedule import lr_factor
+from kiln.train.schedule import lr_factor, lr_horizon
 from kiln.train.step_hooks import step_hooks
 
 
@@ -130,6 +131,9 @@ class TrainStep:
         self.model_adds_losses = getattr(model_parts[-1], "adds_losses", False)
         # The model's forward arguments every call of the job shares.
         self.forward_options = {"apply_head": not self.chunked, "context_parallel": self.context}
+        # Where the learning-rate schedule stands: the step, or the tokens read in full steps.
+        self.schedule = TrainingSchedule(cfg.train, data_ranks=parallel.data_ranks)
+        self.lr_horizon = lr_horizon(cfg, self.schedule)
 
     def __call__(self, batch: StepBatch, *, step: int, flags: StepFlags) -> StepResult:
         """Step number `step` (1-based) over `batch`; `flags` are this rank's."""
@@ -182,7 +186,7 @@ class TrainStep:
         agreed = self._agree(loss, grad_norm, flags, spike=bool(crossed), values=values)
         committed = self.replicas.commit(step) if self.replicas is not None else True
         skip = agreed["non_finite"] or agreed["spike"] or not committed
-        lr = self._update(step, skip=skip)
+        lr = self._update(step, tokens_after=batch.tokens_after, skip=skip)
         limit = False
         if values is not None and committed and not agreed["non_finite"]:
             limit = self.spikes.record(*values, skipped=agreed["spike"])
@@ -279,10 +283,13 @@ class TrainStep:
             out |= hook.records()
         return out
 
-    def _update(self, step: int, *, skip: bool) -> float:
+    def _update(self, step: int, *, tokens_after: int, skip: bool) -> float:
+        at = step
+        if self.cfg.scheduler.unit == "tokens":
+            at = tokens_after / self.schedule.full_step_tokens
         lr = (
             self.cfg.optimizer.lr
-            * lr_factor(self.cfg.scheduler, step, self.cfg.train.max_steps)
+            * lr_factor(self.cfg.scheduler, at, self.lr_horizon)
             * lr_scale_at(self.cfg.data, step - 1)
         )
         factor = lr / self.cfg.optimizer.lr

@@ -183,13 +183,13 @@ class FakeDataset:
     """n samples without any data behind them: sample i is [i, i]."""
 
     def __init__(self, n: int):
-        self.n, self.eos_id = n, 0
+        self.n, self.eos_id, self.seq_len = n, 0, 1
 
     def __len__(self) -> int:
         return self.n
 
-    def sample(self, i: int) -> np.ndarray:
-        assert 0 <= i < self.n
+    def window(self, i: int, *, offset: int, length: int) -> np.ndarray:
+        assert 0 <= i < self.n and (offset, length) == (0, 1)
         return np.array([i, i], dtype=np.int64)
 
 
