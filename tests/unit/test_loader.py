@@ -7,12 +7,14 @@ import functools
 import re
 import tracemalloc
 from collections import Counter
+from itertools import pairwise
 
 import numpy as np
 import pytest
 import torch
 
-from kiln.config.sections import DataConfig, DataPhase, DatasetSource
+from kiln.config.sections import DataConfig, DataPhase, DatasetSource, SeqLenPhase, TrainConfig
+from kiln.config.training_schedule import TrainingSchedule
 from kiln.data import ShardWriter, TokenDataset, train_bpe_tokenizer
 from kiln.data.loader import SHUFFLE, BatchLoader, ShuffledSamples, Source
 from kiln.data.mixture import (
@@ -269,3 +271,31 @@ def test_dropping_a_loader_mid_run_stops_its_workers_at_once(datasets):
     assert all(worker.is_alive() for worker in workers)
     del ld
     assert not any(worker.is_alive() for worker in workers)
+
+
+def test_a_shorter_phase_reads_samples_in_pieces_and_no_token_twice(datasets):
+    """A sequence-length phase at half the samples' length reads sample k // 2's piece k % 2;
+    the next phase starts at the next whole sample (the half one begun is skipped), and within
+    the epoch no token is read twice."""
+    cfg = DataConfig(datasets=[DatasetSource(name="web", path="web")])
+    phase = SeqLenPhase(seq_len=SEQ // 2, until_tokens=3 * 3 * SEQ // 2, batch_size=3)
+    train = TrainConfig(seq_len=SEQ, batch_size=2, grad_accum_steps=1, seq_len_schedule=[phase])
+    ld = loader(datasets, cfg, schedule=TrainingSchedule(train, data_ranks=1))
+    samples, dataset = ld.sources[0].samples, datasets["web"]
+    read, first_long = [], None
+    for _ in range(3 + 10):  # the phase's 9 pieces (4.5 samples), then 20 whole samples
+        batch = ld.next_step()
+        ((inputs, labels),) = batch.micro_batches
+        length = inputs.shape[1]
+        for row, target, (_, _, k) in zip(inputs, labels, batch.sample_ids, strict=True):
+            pieces = SEQ // length
+            start = int(samples.indices(np.array([k // pieces]))[0]) * SEQ + k % pieces * length
+            assert row.tolist() == dataset.read(start, start + length).tolist()
+            assert target.tolist() == dataset.read(start + 1, start + length + 1).tolist()
+            read.append((start, start + length))
+            if length == SEQ and first_long is None:
+                first_long = k
+    assert first_long == 5  # pieces 0-8 are samples 0-3 and half of 4
+    assert len(read) == 29 and len(dataset) > 25  # one epoch
+    spans = sorted(read)
+    assert all(end <= start for (_, end), (start, _) in pairwise(spans))

@@ -52,11 +52,25 @@ def test_loss_is_normalized_by_the_valid_tokens_of_the_whole_step(debug_override
     assert norm_b.item() == pytest.approx(norm_a.item(), rel=1e-5)
 
 
-def test_resume_is_bitwise_identical(debug_overrides, tmp_path):
-    uninterrupted = make_trainer(debug_overrides, "--train.max_steps=8")
+# A batch ramp and a sequence-length phase (docs/configuration.md): two sequences per micro-batch
+# and two micro-batches at the full batch; the ramp grows the batch from 2 to 4 sequences over
+# 1,536 tokens, while the first 768 tokens are read at half length. On one rank, steps 1-3 are
+# the phase, the ramp adds the second micro-batch at step 7 (tests/unit/test_training_schedule.py).
+RAMP = ("--train.batch_schedule.tokens=[0, 1536]", "--train.batch_schedule.sequences=[2, 4]")
+PHASE = ("--train.seq_len_schedule=[{seq_len=64, until_tokens=768}]",)
+SCHEDULED = ("--train.batch_size=2", "--train.grad_accum_steps=2", *RAMP, *PHASE)
+
+
+@pytest.mark.parametrize(
+    "schedule", [(), (*SCHEDULED, "--scheduler.unit=tokens")], ids=["fixed", "ramp and phase"]
+)
+def test_resume_is_bitwise_identical(debug_overrides, tmp_path, schedule):
+    """Saved at step 3 and resumed: the same losses bitwise; with the schedules, the phase's
+    end (step 4) and the ramp's step up (step 7) fall inside the resumed steps."""
+    uninterrupted = make_trainer(debug_overrides, "--train.max_steps=8", *schedule)
     expected = [uninterrupted.train_step()[0].item() for _ in range(8)]
 
-    run = [f"--metrics.run_dir={tmp_path / 'interrupted'}", "--train.max_steps=8"]
+    run = [f"--metrics.run_dir={tmp_path / 'interrupted'}", "--train.max_steps=8", *schedule]
     first = make_trainer(debug_overrides, *run)
     for _ in range(3):
         first.train_step()
