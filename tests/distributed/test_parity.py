@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from tests.distributed.parity import (
-    GLOBAL_BATCH,
     SAVE,
     STEPS,
     assert_parity,
@@ -36,10 +35,30 @@ QWEN3 = (
     "--optimizer.lr=1e-3",
 )
 
+# A batch ramp and a sequence-length phase (docs/configuration.md), carried by the layouts with
+# one micro-batch of 4 sequences over the data ranks (dp_shard=4, dp=2/accum=2,
+# tp=2 x dp_shard=2) and by the one process they match: its batch settings come first in a
+# layout's overrides, so the layout's own win. Steps 1-2 read 8 sequences of 32 tokens, steps 3-6
+# one micro-batch of 4 × 64 (the ramp's 4 + 4 · t / 1536 rounds down to 4), steps 7-10 two:
+# each step's global batch and shape change once in the run's 10 steps, and the schedule's
+# learning rate runs over tokens.
+SCHEDULES = (
+    "--train.batch_size=4",
+    "--train.grad_accum_steps=2",
+    "--train.batch_schedule.tokens=[0, 1536]",
+    "--train.batch_schedule.sequences=[4, 8]",
+    "--train.seq_len_schedule=[{seq_len=32, until_tokens=512}]",
+    "--scheduler.unit=tokens",
+)
+
 LAYOUTS = {
     "dp_shard=2": (2, ["--distributed.dp_shard=2", "--train.batch_size=4"], ()),
     # Saves checkpoints: test_checkpoint_from_one_layout_resumes_in_another continues them.
-    "dp_shard=4": (4, ["--distributed.dp_shard=4", "--train.batch_size=2", SAVE], ()),
+    "dp_shard=4, ramp and phase": (
+        4,
+        ["--distributed.dp_shard=4", "--train.batch_size=1", SAVE],
+        SCHEDULES,
+    ),
     "dp_shard=8": (8, ["--distributed.dp_shard=8", "--train.batch_size=1"], ()),
     "dp_replicate=2 x dp_shard=2": (
         4,
@@ -66,7 +85,7 @@ LAYOUTS = {
         (),
     ),
     "dp=4/accum=1": (4, ["--train.batch_size=2", "--train.grad_accum_steps=1"], ()),
-    "dp=2/accum=2": (2, ["--train.batch_size=2", "--train.grad_accum_steps=2"], ()),
+    "dp=2/accum=2, ramp and phase": (2, ["--train.batch_size=2"], SCHEDULES),
     "dp=1/accum=4": (1, ["--train.batch_size=2", "--train.grad_accum_steps=4"], ()),
     "dp=2/accum=2, one reduce per step": (
         2,
@@ -81,7 +100,11 @@ LAYOUTS = {
     "tp=4": (4, ["--distributed.tp=4", "--train.batch_size=8"], KV4),
     "tp=2, tied embeddings": (2, ["--distributed.tp=2", "--train.batch_size=8"], TIED),
     "tp=2 x dp_shard=2, Qwen3-shaped": (4, ["--distributed.tp=2", "--train.batch_size=4"], QWEN3),
-    "tp=2 x dp_shard=2": (4, ["--distributed.tp=2", "--train.batch_size=4"], ()),
+    "tp=2 x dp_shard=2, accum=2, ramp and phase": (
+        4,
+        ["--distributed.tp=2", "--train.batch_size=2"],
+        SCHEDULES,
+    ),
     "tp=2 x dp_shard=2, full AC": (
         4,
         ["--distributed.tp=2", "--train.batch_size=4", "--train.activation_checkpointing=full"],
@@ -98,19 +121,20 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_layout_matches_one_process(layout, references, runs):
     nproc, overrides, model = LAYOUTS[layout]
-    assert_parity(records(runs(nproc, *overrides, *model)), references(*model))
+    assert_parity(records(runs(nproc, *model, *overrides)), references(*model))
 
 
-def test_checkpoint_from_one_layout_resumes_in_another(reference, runs, train, tmp_path):
-    """Saved under FSDP by 4 ranks (the dp_shard=4 run), resumed in one process at step 6: the
-    rest of the run still matches."""
-    nproc, overrides, _ = LAYOUTS["dp_shard=4"]
+def test_checkpoint_from_one_layout_resumes_in_another(references, runs, train, tmp_path):
+    """Saved under FSDP by 4 ranks (the dp_shard=4 run), resumed in one process at step 6, at
+    another data-parallel size during the batch ramp (its step up at step 7): the rest of the run
+    still matches."""
+    nproc, overrides, model = LAYOUTS["dp_shard=4, ramp and phase"]
     run = tmp_path / "run"
-    step_5 = copy_to_resume(runs(nproc, *overrides), run)
+    step_5 = copy_to_resume(runs(nproc, *model, *overrides), run)
     assert len(list(step_5.glob("*.distcp"))) == 4  # written by the four ranks
-    (output,) = train(run, 1, f"--train.batch_size={GLOBAL_BATCH}")
+    (output,) = train(run, 1, *model)
     assert f"kiln: resumed from {step_5} (step 5)" in output
-    assert_parity(records(run), reference, steps=range(6, STEPS + 1))
+    assert_parity(records(run), references(*model), steps=range(6, STEPS + 1))
 
 
 def test_two_node_job_on_one_machine(reference, tmp_path, demo_data):

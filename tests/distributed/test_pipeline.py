@@ -39,6 +39,18 @@ PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
 # keep 1e-5, and a real mistake moves a per-parameter norm by 10% or more (test_mutations.py).
 TIED_PARAM_TOLERANCE = 1e-4
 M2 = "--distributed.pp_microbatches=2"
+# A batch ramp (docs/configuration.md) from one micro-batch of 4 sequences over the data ranks to
+# two, at step 7 (test_parity.py's SCHEDULES without the sequence-length phase, which pipelines
+# do not run yet): the one process it matches accumulates 2 × 4; the layout's own batch settings
+# come after these and win.
+RAMP = (
+    *L4,
+    "--train.batch_size=4",
+    "--train.grad_accum_steps=2",
+    "--train.batch_schedule.tokens=[0, 1536]",
+    "--train.batch_schedule.sequences=[4, 8]",
+    "--scheduler.unit=tokens",
+)
 MASKED = (*L4, "--data.document_mask=true")
 
 LAYOUTS = {
@@ -80,7 +92,7 @@ LAYOUTS = {
         ],
         L4,
     ),
-    "pp=2 x dp_shard=2, full AC, 2 micro-batches x accum 2": (
+    "pp=2 x dp_shard=2, full AC, 2 micro-batches x accum 2, batch ramp": (
         4,
         [
             "--distributed.pp=2",
@@ -88,7 +100,7 @@ LAYOUTS = {
             "--train.grad_accum_steps=2",
             "--train.activation_checkpointing=full",
         ],
-        L4,
+        RAMP,
     ),
     "pp=2, explicit split 1+3, 2 micro-batches": (
         2,
@@ -126,7 +138,7 @@ def layout_run(runs, layout):
     batch = (
         [] if any("batch_size" in o for o in overrides) else [f"--train.batch_size={GLOBAL_BATCH}"]
     )
-    return runs(nproc, *batch, *overrides, *model)
+    return runs(nproc, *batch, *model, *overrides)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
