@@ -120,13 +120,18 @@ class TrainingSchedule:
                 if phase.first == phase.last
                 else f"steps {phase.first}-{phase.last}"
             )
+            sequences = _count(shape.sequences(self.data_ranks), "sequence")
+            micro = _count(shape.micro_batches, "micro-batch", "micro-batches")
             lines.append(
-                f"{steps}: global batch "
-                f"{shape.sequences(self.data_ranks):,} sequences of {shape.seq_len} "
-                f"({shape.micro_batches} micro-batches of {shape.batch_size} per data rank), "
-                f"tokens {phase.tokens_from:,} to {phase.tokens_to:,}"
+                f"{steps}: global batch {sequences} of {shape.seq_len} tokens ({micro} of "
+                f"{shape.batch_size} per data rank), tokens {phase.tokens_from:,} to "
+                f"{phase.tokens_to:,}"
             )
         return lines
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
 def phase_batch_size(train: TrainConfig, phase) -> int:

@@ -65,12 +65,12 @@ def test_phases_and_ramp_walk_the_run():
     ]
     assert schedule.total_tokens(8) == 2560
     assert schedule.describe(8) == [
-        "steps 1-3: global batch 4 sequences of 64 (1 micro-batches of 4 per data rank), "
+        "steps 1-3: global batch 4 sequences of 64 tokens (1 micro-batch of 4 per data rank), "
         "tokens 0 to 768",
-        "steps 4-6: global batch 2 sequences of 128 (1 micro-batches of 2 per data rank), "
+        "steps 4-6: global batch 2 sequences of 128 tokens (1 micro-batch of 2 per data rank), "
         "tokens 768 to 1,536",
-        "steps 7-8: global batch 4 sequences of 128 (2 micro-batches of 2 per data rank), "
-        "tokens 1,536 to 2,560",
+        "steps 7-8: global batch 4 sequences of 128 tokens (2 micro-batches of 2 per data "
+        "rank), tokens 1,536 to 2,560",
     ]
 
 
