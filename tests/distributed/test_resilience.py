@@ -164,6 +164,26 @@ def test_non_finite_steps_are_skipped_on_every_rank_then_rolled_back(gangs, tmp_
 SPIKE_STEP = 13
 
 
+def test_a_spike_is_skipped_alike_under_tensor_and_pipeline_parallel(gangs, tmp_path, demo_data):
+    """The spike of step 13 (test-side, as above) under tp=2 × pp=2, judged on the last stage's
+    loss and the gradient norm summed over stages and tp shards: every rank skips it, one event.
+    (A resume deciding alike is the test above: its rollback restores the window.)"""
+    overrides = [
+        f"--train.max_steps={SPIKE_STEP}",
+        "--distributed.tp=2",
+        "--distributed.pp=2",
+        "--checkpoint.interval=0",
+        "--resilience.spike_action=skip",
+        "--resilience.spike_window=10",
+    ]
+    run = tmp_path / "run"
+    gangs.run(
+        4, kiln_train_with_a_spike_where_rank_1_cannot_list, kiln_args(run, demo_data, *overrides)
+    )
+    assert [e["step"] for e in read_events(run) if e["event"] == "spike_skip"] == [SPIKE_STEP]
+    assert sorted(losses(run)) == list(range(1, SPIKE_STEP + 1))
+
+
 def kiln_train_with_a_spike_where_rank_1_cannot_list(args: list[str]) -> None:
     """`kiln train ARGS` where every listing or lookup of rank 1 in the checkpoint store fails,
     and step SPIKE_STEP reports a gradient norm 1000 times the true one on every rank."""
