@@ -24,9 +24,10 @@ seq_len 64, the demo corpus, no checkpoints. benchmarks/fault_tolerance.md reads
     gradient shard summed after the backward (its --bench-after-backward); "after": kiln as
     shipped (each FSDP unit's shard from the all-reduce hook). `--sum-rounds` rounds alternate
     the arms, for each of `--sum-shapes` (the debug model, llama3_125m at batch 1).
+(e), (f) DiLoCo's bytes across the groups and its loss: benchmarks/diloco_cost.py.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fault_tolerance.py [--dp-shard 1] [--rounds 2]
-        [--steps 60] [--cycles 3] [--parts a bc d] [--sum-shapes debug:20 llama3_125m:6]
+        [--steps 60] [--cycles 3] [--parts a bc d e f] [--sum-shapes debug:20 llama3_125m:6]
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from tests.distributed.launch import env, kiln_args, start_ranks, wait_all
 from tests.support.lighthouse import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS, lighthouse
 
 IMPORTS = "import torch, torchft, kiln.cli, kiln.train.trainer"
+DEMO_BYTES = 2_000_000  # the demo corpus's size here
 
 
 def ft_args(address: str, group: int) -> list[str]:
@@ -297,6 +299,9 @@ def cpu_model() -> str:
 
 
 def main() -> None:
+    # Imported here: it imports this module's helpers.
+    from benchmarks import diloco_cost
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp-shard", type=int, nargs="+", default=[1], help="ranks per group")
     parser.add_argument("--keep", default="", help="a folder to keep the runs and logs in")
@@ -306,7 +311,11 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--steps-together", type=int, default=3)
     parser.add_argument(
-        "--parts", nargs="+", choices=("a", "bc", "d"), default=["a", "bc"], help="what to run"
+        "--parts",
+        nargs="+",
+        choices=("a", "bc", "d", "e", "f"),
+        default=["a", "bc"],
+        help="what to run",
     )
     parser.add_argument(
         "--sum-shapes",
@@ -316,6 +325,7 @@ def main() -> None:
     )
     parser.add_argument("--sum-rounds", type=int, default=2, help="(d): rounds of both arms")
     parser.add_argument("--sum-skip", type=int, default=2, help="(d): first steps left out")
+    diloco_cost.add_arguments(parser)
     args = parser.parse_args()
     shapes = [s.partition(":") for s in args.sum_shapes]
     if any(shape not in SUM_SHAPES or not steps.isdigit() for shape, _, steps in shapes):
@@ -332,18 +342,20 @@ def main() -> None:
     began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
-        data = ensure_demo_corpus(root / "demo", max_bytes=2_000_000)
+        data = ensure_demo_corpus(root / "demo", max_bytes=DEMO_BYTES)
         arms = [step_time_arms(data, root, args, d) for d in args.dp_shard if "a" in args.parts]
         if "bc" in args.parts:
             imports = import_seconds()
             cycles = kill_and_rejoin(data, root, args)
         sums = {s: sum_wait_arms(data, root, args, s) for s in args.sum_shapes if "d" in args.parts}
+        costs = diloco_cost.run(args, data, root)
     for d, arm in zip(args.dp_shard, arms, strict=False):
         step_table(d, arm, args)
     if "bc" in args.parts:
         cycle_table(cycles, imports)
     for shape, arm in sums.items():
         sum_table(shape, arm, args)
+    diloco_cost.print_tables(costs, args)
     print(f"\nwall time {time.monotonic() - began:.0f} s; load average after: {os.getloadavg()}")
 
 

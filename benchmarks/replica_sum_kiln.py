@@ -62,15 +62,20 @@ def main() -> None:
     if after_backward:
         ReplicaGroups.sum_in_backward = lambda self, model_parts: False
     timings = timed(Timings())
+    run_dir = train(args)
+    rank = int(os.environ.get("RANK", "0"))
+    out = {"arm": "after_backward" if after_backward else "in_backward", "steps": timings.steps}
+    (run_dir / f"replica_sum_rank_{rank}.json").write_text(json.dumps(out))
+
+
+def train(args: list[str]) -> Path:
+    """`kiln train RECIPE [OVERRIDES]` in this process; returns the run dir it wrote (under
+    fault tolerance, the group's)."""
     recipe, *overrides = args
     cfg = load_config(recipe, overrides, launched=int(os.environ.get("WORLD_SIZE", "1")))
     trainer = trainer_module.Trainer(cfg)
     trainer.train()
-    rank = int(os.environ.get("RANK", "0"))
-    out = {"arm": "after_backward" if after_backward else "in_backward", "steps": timings.steps}
-    (Path(trainer.cfg.metrics.run_dir) / f"replica_sum_rank_{rank}.json").write_text(
-        json.dumps(out)
-    )
+    return Path(trainer.cfg.metrics.run_dir)
 
 
 def timed(timings: Timings) -> Timings:
