@@ -84,29 +84,46 @@ class TrainingSchedule:
                 return StepShape(micro_batches, phase_batch_size(self.train, phase), phase.seq_len)
         return StepShape(micro_batches, self.train.batch_size, self.train.seq_len)
 
-    def walk(self, steps: int) -> list[tuple[int, StepShape]]:
-        """(tokens before the step, its shape) for steps 1..`steps`."""
-        out, tokens = [], 0
-        for _ in range(steps):
+    def next_change(self, tokens: int) -> int | None:
+        """The fewest tokens seen, more than `tokens`, at which the shape may change (None:
+        never): the next ramp point, the ramp's next rounding step, or the phase's end."""
+        ramp, out = self.train.batch_schedule, []
+        out += [phase.until_tokens for phase in self.train.seq_len_schedule]
+        if self.ramped:
+            out += list(ramp.tokens)
+            i = max((k for k, t in enumerate(ramp.tokens) if t <= tokens), default=None)
+            if ramp.shape == "linear" and i is not None and i + 1 < len(ramp.tokens):
+                low, high = ramp.sequences[i], ramp.sequences[i + 1]
+                span, up = ramp.tokens[i + 1] - ramp.tokens[i], self.batch_at(tokens)
+                if high > low:  # where low + (high - low) · into / span reaches the next multiple
+                    need = (up + self.multiple_of) * span - low * span
+                    out.append(ramp.tokens[i] - (-need // (high - low)))
+        later = [t for t in out if t > tokens]
+        return min(later) if later else None
+
+    def phases(self, steps: int) -> list[Phase]:
+        """Steps 1..`steps` grouped by shape, in order: one jump per change of shape, however
+        long the run."""
+        out: list[Phase] = []
+        step, tokens = 1, 0
+        while step <= steps:
             shape = self.shape_at(tokens)
-            out.append((tokens, shape))
-            tokens += shape.tokens(self.data_ranks)
+            per_step = shape.tokens(self.data_ranks)
+            change = self.next_change(tokens)
+            count = steps - step + 1
+            if change is not None:
+                count = min(count, -(-(change - tokens) // per_step))
+            end = tokens + count * per_step
+            if out and out[-1].shape == shape:
+                out[-1] = Phase(out[-1].first, step + count - 1, out[-1].tokens_from, end, shape)
+            else:
+                out.append(Phase(step, step + count - 1, tokens, end, shape))
+            step, tokens = step + count, end
         return out
 
     def total_tokens(self, steps: int) -> int:
         """The tokens `steps` steps read."""
-        return sum(shape.tokens(self.data_ranks) for _, shape in self.walk(steps))
-
-    def phases(self, steps: int) -> list[Phase]:
-        """The run's steps grouped by shape, in order."""
-        out: list[Phase] = []
-        for step, (tokens, shape) in enumerate(self.walk(steps), start=1):
-            end = tokens + shape.tokens(self.data_ranks)
-            if out and out[-1].shape == shape:
-                out[-1] = Phase(out[-1].first, step, out[-1].tokens_from, end, shape)
-            else:
-                out.append(Phase(step, step, tokens, end, shape))
-        return out
+        return self.phases(steps)[-1].tokens_to if steps > 0 else 0
 
     def describe(self, steps: int) -> list[str]:
         """`kiln check`'s lines: each phase's steps, tokens, batch and sequence length."""

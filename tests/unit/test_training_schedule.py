@@ -6,11 +6,20 @@ from __future__ import annotations
 import pytest
 
 from kiln.config import load_config, validate
-from kiln.config.sections import BatchScheduleConfig, TrainConfig
+from kiln.config.sections import BatchScheduleConfig, SeqLenPhase, TrainConfig
 from kiln.config.training_schedule import StepShape, TrainingSchedule
 from kiln.errors import ConfigError
 from tests.conftest import DEBUG_CONFIG
 from tests.unit.test_trainer import PHASE, RAMP, SCHEDULED, make_trainer
+
+
+def walk(schedule: TrainingSchedule, steps: int) -> list[tuple[int, StepShape]]:
+    """(tokens before the step, its shape) for steps 1..`steps`, one step at a time."""
+    out, tokens = [], 0
+    for _ in range(steps):
+        out.append((tokens, schedule.shape_at(tokens)))
+        tokens += out[-1][1].tokens(schedule.data_ranks)
+    return out
 
 
 def ramp(tokens, sequences, *, shape="linear", multiple_of=0, **train) -> TrainingSchedule:
@@ -47,7 +56,7 @@ def test_a_layout_with_another_micro_batch_ramps_alike_under_multiple_of():
     assert [one.batch_at(t) for t in range(0, 1200, 7)] == [
         four.batch_at(t) for t in range(0, 1200, 7)
     ]
-    assert one.walk(20) == [(t, StepShape(s.micro_batches, 4, 8)) for t, s in four.walk(20)]
+    assert walk(one, 20) == [(t, StepShape(s.micro_batches, 4, 8)) for t, s in walk(four, 20)]
 
 
 def test_phases_and_ramp_walk_the_run():
@@ -56,7 +65,7 @@ def test_phases_and_ramp_walk_the_run():
     one micro-batch until 2 + 2 · t / 1536 reaches 4 at t = 1536."""
     cfg = load_config(DEBUG_CONFIG, list(SCHEDULED), world_size=1).train
     schedule = TrainingSchedule(cfg, data_ranks=1)
-    walked = schedule.walk(8)
+    walked = walk(schedule, 8)
     assert [t for t, _ in walked] == [0, 256, 512, 768, 1024, 1280, 1536, 2048]
     assert [(s.micro_batches, s.batch_size, s.seq_len) for _, s in walked] == [
         *[(1, 4, 64)] * 3,
@@ -72,6 +81,32 @@ def test_phases_and_ramp_walk_the_run():
         "steps 7-8: global batch 4 sequences of 128 tokens (2 micro-batches of 2 per data "
         "rank), tokens 1,536 to 2,560",
     ]
+
+
+@pytest.mark.parametrize(
+    ("points", "batches", "multiple", "phase"),
+    [
+        ([0, 1000], [4, 16], 2, None),
+        ([0, 999, 5003], [2, 6, 32], 2, (4, 700)),
+        ([0, 77], [6, 36], 6, (2, 5000)),
+        ([0, 10, 20_000], [8, 8, 32], 8, None),
+    ],
+)
+def test_the_phases_jump_to_what_a_step_by_step_walk_finds(points, batches, multiple, phase):
+    """`phases` jumps from one change of shape to the next (a run of a million steps is a few
+    phases, not a million shapes); grouping a walk of every step gives the same phases."""
+    phases = [SeqLenPhase(seq_len=phase[0], until_tokens=phase[1])] if phase else []
+    schedule = ramp(points, batches, multiple_of=multiple, seq_len=8, batch_size=2,
+                    grad_accum_steps=batches[-1] // 2, seq_len_schedule=phases)  # fmt: skip
+    grouped = []
+    for step, (tokens, shape) in enumerate(walk(schedule, 400), start=1):
+        if grouped and grouped[-1][-1] == shape:
+            grouped[-1][1] = step
+        else:
+            grouped.append([step, step, tokens, shape])
+    got = schedule.phases(400)
+    assert [(p.first, p.last, p.tokens_from, p.shape) for p in got] == list(map(tuple, grouped))
+    assert len(schedule.phases(10**12)) == len(got)  # the last phase just runs longer
 
 
 BAD = {
