@@ -6,7 +6,7 @@ of dp_shard=2, lighthouse min_replicas=2, one thread per process). fault_toleran
 (e) Bytes across the groups: every rank started by benchmarks/collective_bytes_kiln.py, which
     counts the buffer of each cross-group all-reduce (torchft's Manager.allreduce) per step and
     kind. Every-step sync against DiLoCo at H = 10, 50, 100 and Streaming DiLoCo (2 fragments,
-    H = 50, delay 1), `--bytes-steps` steps of the debug model; with `--bytes-large N`,
+    H = 50, delay 1), 100 steps of the debug model; with `--bytes-large N`,
     llama3_125m (batch 1) for N steps, every-step and DiLoCo at H = N: one step's and one
     sync's bytes, which the table scales to 100 steps (said so there).
 (f) Loss after the same tokens: the debug model, `--loss-steps` steps of the same global batch,
@@ -58,11 +58,12 @@ LARGE = ["--model.preset=llama3_125m", "--train.batch_size=1"]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--bytes-steps", type=int, default=100, help="(e): debug steps per arm")
     parser.add_argument(
         "--bytes-large", type=int, default=0, help="(e): llama3_125m steps (0: not run)"
     )
-    parser.add_argument("--loss-steps", type=int, default=300, help="(f): steps per run")
+    parser.add_argument(
+        "--loss-steps", type=int, default=200, help="(f): steps per run, a multiple of 50"
+    )
     parser.add_argument("--loss-seeds", type=int, nargs="+", default=[0, 1, 2], help="(f)")
     parser.add_argument("--loss-warmup", type=int, default=5, help="(f): scheduler warm-up")
     parser.add_argument("--eval-steps", type=int, default=50, help="(f): held-out batches")
@@ -72,7 +73,7 @@ def run(args, data: Path, root: Path) -> dict:
     """The runs of the parts asked for; what `print_tables` reads."""
     out = {}
     if "e" in args.parts:
-        arms = {"debug": (args.bytes_steps, [], BYTES_ARMS)}
+        arms = {"debug": (100, [], BYTES_ARMS)}
         if args.bytes_large:
             n = args.bytes_large
             arms["llama3_125m"] = (n, LARGE, {"every_step": [], f"diloco_h{n}": diloco(n)})
@@ -84,6 +85,8 @@ def run(args, data: Path, root: Path) -> dict:
             for shape, (steps, shaped, shape_arms) in arms.items()
         }
     if "f" in args.parts:
+        if args.loss_steps % 50:  # the held-out loss is taken at a sync of every DiLoCo arm
+            raise SystemExit(f"--loss-steps {args.loss_steps}: use a multiple of 50")
         heldout = held_out(data, root / "heldout")
         out["f"] = {arm: {} for arm in LOSS_ARMS}
         for seed in args.loss_seeds:
