@@ -329,7 +329,8 @@ class ReplicaGroups:
         return self.cfg.sync == "diloco" or self.last is None or self.last.replica_rank == 0
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:  # under DiLoCo a run may end before its first sync
+            self.manager.shutdown(wait=False)
 
 
 def join_replica_groups(

@@ -110,10 +110,11 @@ def test_a_killed_group_rejoins_at_a_sync_and_the_groups_end_equal(tmp_path, dem
 
 
 def test_a_diloco_run_resumed_reproduces_the_uninterrupted_losses(tmp_path, demo_data):
-    """Both groups stop at step 8 (a sync, and a checkpoint of each group's own with the outer
-    state) and resume to 16: each group's losses are bitwise those of the run that did not stop
-    (the same operations on the same values). Steps 13-16 follow the outer step of step 12,
-    which uses the momentum the checkpoint carried."""
+    """Both groups stop at step 2 (before the first sync, so before the groups ever met), then
+    at step 10 (between syncs: each group's checkpoint holds its inner state, the weights of
+    the sync at 8 and the outer momentum), and resume to 16: each group's losses are bitwise
+    those of the run that did not stop (the same operations on the same values). Step 12's
+    outer step uses the momentum the checkpoint carried."""
     import json
 
     def run(run_dir, *extra: str) -> None:
@@ -139,7 +140,8 @@ def test_a_diloco_run_resumed_reproduces_the_uninterrupted_losses(tmp_path, demo
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run(whole)
-    run(resumed, "--train.stop_at_step=8")
+    run(resumed, "--train.stop_at_step=2")
+    run(resumed, "--train.stop_at_step=10")
     run(resumed)
     for group in (0, 1):
         assert losses(resumed, group) == losses(whole, group), group
