@@ -73,7 +73,7 @@ class TokenDataset:
         sample: a sequence-length phase reads each sample as seq_len / length of them)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
-        assert 0 <= offset and offset + length <= self.seq_len, (offset, length, self.seq_len)
+        assert 0 <= offset <= self.seq_len - length, (offset, length, self.seq_len)
         start = i * self.seq_len + offset
         return self.read(start, start + length + 1)
 
