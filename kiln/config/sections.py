@@ -41,6 +41,8 @@ NanAction = Literal["stop", "rollback"]
 FaultToleranceSync = Literal["every_step", "diloco"]
 SpikeAction = Literal["none", "skip"]
 BatchRampShape = Literal["linear", "step"]
+# Hugging Face's names for a layer's attention (`layer_types`).
+AttentionLayerType = Literal["full_attention", "sliding_attention"]
 ScheduleUnit = Literal["steps", "tokens"]
 WandbMode = Literal["online", "offline", "disabled"]
 
@@ -138,6 +140,14 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False
+    # Sliding-window attention: a query sees itself and the sliding_window - 1 tokens before it
+    # (0: no window). The layers it applies to: `layer_types`, one per layer as Hugging Face
+    # names them, or every layer when empty.
+    sliding_window: int = 0
+    layer_types: list[AttentionLayerType] = field(default_factory=list)
+    # A learned logit per head that joins every query's softmax and takes its share of the
+    # attention without adding a value (gpt-oss's attention sinks).
+    attention_sinks: bool = False
     init_std: float = 0.02
     # Mixture of Experts: the [model.moe] table (num_experts = 0: dense).
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -149,6 +159,12 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         """The width of one attention head: `head_dim`, or dim / n_heads when it is 0."""
         return self.head_dim or self.dim // self.n_heads
+
+    def attention_window(self, layer: int) -> int:
+        """The sliding window of block `layer`'s attention; 0: it attends to the whole context."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     @property
     def expert_hidden_dim(self) -> int:

@@ -13,6 +13,7 @@ from kiln.config.pipeline import (
     num_stages,
 )
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
+from kiln.config.validate_attention import attention_problems
 from kiln.config.validate_checkpoint import export_hf_problems
 from kiln.config.validate_deepseek import deepseek_problems
 from kiln.config.validate_eval import eval_task_problems
@@ -39,6 +40,7 @@ def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     # The keys typed by a Literal of words (sections.py) first: built from TOML they were checked
     # already (an invalid word is left at its default), built in Python they were not.
     problems = choice_problems(cfg) + _model_problems(cfg) + deepseek_problems(cfg)
+    problems += attention_problems(cfg)
     problems += _train_problems(cfg) + export_hf_problems(cfg)
     problems += optimizer_problems(cfg) + float8_problems(cfg)
     problems += _data_problems(cfg) + _eval_problems(cfg) + eval_task_problems(cfg)

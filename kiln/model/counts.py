@@ -19,8 +19,15 @@ def moe_params(cfg: ModelConfig) -> tuple[int, int]:
     return always + cfg.moe.num_experts * expert, always + cfg.moe.top_k * expert
 
 
-def causal_attention_flops(seq_len: int, heads: int, key_width: int, value_width: int) -> int:
+def causal_attention_flops(
+    seq_len: int, heads: int, key_width: int, value_width: int, *, window: int = 0
+) -> int:
     """Forward + backward FLOPs per token of one layer's causal attention: scores (q·k over
     `key_width` per head) and the weighted values (`value_width` per head), 2 FLOPs per
-    multiply-add each, times 3 for the backward, halved by the causal mask."""
-    return 3 * seq_len * heads * (key_width + value_width)
+    multiply-add each, times 3 for the backward, over the keys a query sees on average: half
+    the sequence under the causal mask; under a sliding `window` W < S, W − W²/2S (the first W
+    queries see fewer)."""
+    if not window or window >= seq_len:
+        return 3 * seq_len * heads * (key_width + value_width)
+    keys_times_2s = 2 * window * seq_len - window * window  # 2S × the mean keys per query
+    return 3 * keys_times_2s * heads * (key_width + value_width) // seq_len

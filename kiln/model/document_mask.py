@@ -1,8 +1,11 @@
-"""Attention that stays inside each document of a packed sequence (data.document_mask).
+"""Attention that stays inside each document of a packed sequence (data.document_mask), and
+within a sliding window (model.sliding_window), with or without attention sinks.
 
 Packed windows hold several documents, each ended by an EOS token. A query attends to earlier
-keys of its own document only. The mask is built once per batch from the document ids and shared
-by every layer; which kernel runs it is decided in `_build`.
+keys of its own document only, and under a window to the last `window` of them (itself
+included). The masks are built once per batch from the document ids, one per window the layers
+use; which kernel runs them is decided in `_build`. Without document ids a window's mask depends
+only on the shapes and is built once (`causal_mask`).
 
 Under context parallel a rank's queries are some chunks of the sequence and its keys the whole
 sequence, gathered in rank order: `build_position_mask` masks by global positions instead of by
@@ -17,7 +20,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
 
 from kiln.model.forward_args import SequenceGathers
 
@@ -34,14 +42,17 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(is_eos, dim=1, dtype=torch.int32) - is_eos
 
 
-def build_document_mask(ids: torch.Tensor, kernel: Kernel = "auto") -> DocumentMask:
-    """Causal, same-document mask for document ids of shape (batch, seq).
+def build_document_mask(
+    ids: torch.Tensor, kernel: Kernel = "auto", *, window: int = 0
+) -> DocumentMask:
+    """Causal, same-document mask for document ids of shape (batch, seq), within `window`
+    (0: none).
 
     "auto" picks flex attention on CUDA: its block mask skips whole blocks across documents and
     never holds a (seq × seq) mask per sample in GPU memory. Elsewhere (CPU, i.e. tests and CI)
     SDPA with a dense boolean mask is simple and exact, and memory there is no concern.
     """
-    return _build(ids, ids, None, kernel)
+    return _build(ids, ids, None, kernel, window)
 
 
 def build_position_mask(
@@ -51,13 +62,15 @@ def build_position_mask(
     ids: torch.Tensor | None = None,
     key_ids: torch.Tensor | None = None,
     kernel: Kernel = "auto",
+    window: int = 0,
 ) -> DocumentMask:
     """Causal mask by global position for queries at `positions` (batch, queries) over keys at
     `key_positions` (batch, keys), and within documents when `ids` and `key_ids` are given:
-    context parallel's local queries against the keys of the whole sequence, in any order."""
+    context parallel's local queries against the keys of the whole sequence, in any order
+    (a window is by position too, so it reaches across the chunks a rank holds)."""
     if ids is None:
         ids, key_ids = torch.zeros_like(positions), torch.zeros_like(key_positions)
-    return _build(ids, key_ids, (positions, key_positions), kernel)
+    return _build(ids, key_ids, (positions, key_positions), kernel, window)
 
 
 def _build(
@@ -65,15 +78,31 @@ def _build(
     key_ids: torch.Tensor,
     positions: tuple[torch.Tensor, torch.Tensor] | None,
     kernel: Kernel,
+    window: int,
 ) -> DocumentMask:
     """`positions` None: queries and keys are the same tokens, in sequence order."""
     if kernel == "auto":
         kernel = "flex" if ids.device.type == "cuda" else "sdpa"
     if kernel == "sdpa":
-        return _dense_mask(ids, key_ids, positions)
+        return _dense_mask(ids, key_ids, positions, window)
     if kernel == "flex":
-        return _block_mask(ids, key_ids, positions)
+        return _block_mask(ids, key_ids, positions, window)
     raise ValueError(f"unknown attention kernel {kernel!r}; expected 'auto', 'sdpa' or 'flex'")
+
+
+@functools.lru_cache(maxsize=16)
+def causal_mask(
+    queries: int, keys: int, *, start: int, window: int, device: torch.device
+) -> DocumentMask:
+    """The mask of queries at positions start..start+queries over keys 0..keys without
+    document ids: causal, within `window` (0: none). It depends only on the shapes, so every
+    layer and step of one shape shares it."""
+    ids = torch.zeros(1, queries, dtype=torch.int32, device=device)
+    key_ids = torch.zeros(1, keys, dtype=torch.int32, device=device)
+    positions = torch.arange(start, start + queries, device=device)[None]
+    return _build(
+        ids, key_ids, (positions, torch.arange(keys, device=device)[None]), "auto", window
+    )
 
 
 def masked_attention(
@@ -83,16 +112,48 @@ def masked_attention(
     mask: DocumentMask,
     *,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of (batch, heads, seq, head_dim) tensors under `mask`; `scale`:
-    the softmax's (None: 1 / sqrt(head_dim))."""
+    the softmax's (None: 1 / sqrt(head_dim)); `sinks`: one logit per head (of these heads)
+    that joins every query's softmax with no value of its own."""
     if isinstance(mask, BlockMask):
         # Inside a compiled block, flex attention compiles with the block; called eagerly on
         # CUDA it needs its own compile.
         standalone = q.device.type == "cuda" and not torch.compiler.is_compiling()
         flex = _compiled(flex_attention) if standalone else flex_attention
-        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if sinks is None:
+            return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        out, aux = flex(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
+        )
+        lse = aux.lse
+        # With the sink in the softmax every weight shrinks by Z / (Z + e^sink), Z = e^lse.
+        kept = torch.sigmoid(lse - sinks.view(1, -1, 1).to(lse.dtype))
+        return out * kept.unsqueeze(-1).to(out.dtype)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _dense_attention_with_sinks(q, k, v, mask, scale=scale, sinks=sinks)
+
+
+def _dense_attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """The softmax written out with the sink as one more column (SDPA has no place for it):
+    the kernel of CPU runs, where the scores of a sequence fit in memory."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights.to(v.dtype) @ v
 
 
 @functools.cache
@@ -107,30 +168,36 @@ def _dense_mask(
     ids: torch.Tensor,
     key_ids: torch.Tensor,
     positions: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int,
 ) -> torch.Tensor:
     if positions is None:
         order = torch.arange(ids.shape[1], device=ids.device)
-        causal = order[:, None] >= order[None, :]
+        behind = order[:, None] - order[None, :]
     else:
-        causal = positions[0][:, :, None] >= positions[1][:, None, :]
+        behind = positions[0][:, :, None] - positions[1][:, None, :]
+    visible = (behind >= 0) & (behind < window) if window else behind >= 0
     same_document = ids[:, :, None] == key_ids[:, None, :]
-    return (causal & same_document).unsqueeze(1)
+    return (visible & same_document).unsqueeze(1)
 
 
 def _block_mask(
     ids: torch.Tensor,
     key_ids: torch.Tensor,
     positions: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int,
 ) -> BlockMask:
     batch, queries = ids.shape
     keys = key_ids.shape[1]
 
+    def visible(behind):
+        return (behind >= 0) & (behind < window) if window else behind >= 0
+
     def causal_same_document(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (ids[b, q_idx] == key_ids[b, kv_idx])
+        return visible(q_idx - kv_idx) & (ids[b, q_idx] == key_ids[b, kv_idx])
 
     def causal_by_position_same_document(b, h, q_idx, kv_idx):
-        earlier = positions[0][b, q_idx] >= positions[1][b, kv_idx]
-        return earlier & (ids[b, q_idx] == key_ids[b, kv_idx])
+        behind = positions[0][b, q_idx] - positions[1][b, kv_idx]
+        return visible(behind) & (ids[b, q_idx] == key_ids[b, kv_idx])
 
     mask_mod = causal_same_document if positions is None else causal_by_position_same_document
     # On CPU flex runs eagerly (tests only), so the compile would cost more than it saves.
@@ -139,18 +206,29 @@ def _block_mask(
     return create(mask_mod, batch, None, queries, keys, device=ids.device)
 
 
-def layer_mask(
+def layer_masks(
     document_ids: torch.Tensor | None,
     positions: torch.Tensor | None,
     context_parallel: SequenceGathers | None,
-) -> DocumentMask | None:
-    """The mask every layer of a forward shares; None: plain causal attention over whole
-    sequences. With `positions` (context parallel) the keys are the whole sequence's."""
+    *,
+    windows: tuple[int, ...] = (0,),
+) -> dict[int, DocumentMask] | None:
+    """The masks the layers of a forward share, one per window they use (0: none); None: no
+    mask from the data (plain causal attention over whole sequences, or a mask that depends
+    only on the shapes, `causal_mask`). With `positions` (context parallel) the keys are the
+    whole sequence's."""
     if positions is None:
-        return build_document_mask(document_ids) if document_ids is not None else None
+        if document_ids is None:
+            return None
+        return {w: build_document_mask(document_ids, window=w) for w in windows}
     key_positions, key_ids = positions, document_ids
     if context_parallel is not None:
         key_positions = context_parallel.gather_sequence(positions)
         if document_ids is not None:
             key_ids = context_parallel.gather_sequence(document_ids)
-    return build_position_mask(positions, key_positions, ids=document_ids, key_ids=key_ids)
+    return {
+        w: build_position_mask(
+            positions, key_positions, ids=document_ids, key_ids=key_ids, window=w
+        )
+        for w in windows
+    }

@@ -5,7 +5,8 @@ puts them beside its attention's."""
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -58,3 +59,16 @@ def moe_ffn_tp() -> dict[str, ParallelStyle]:
             input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
         )
     }
+
+
+class ShardByHeads(ParallelStyle):
+    """A module of per-head parameters (attention sinks): each split along its first dim, as
+    column-parallel query projections split the heads, so a rank holds its heads' values."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(sub.named_parameters(recurse=False)):
+                sharded = distribute_tensor(param, mesh, [Shard(0)])
+                sub.register_parameter(key, nn.Parameter(sharded, param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition_fn=shard)

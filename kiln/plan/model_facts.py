@@ -25,12 +25,16 @@ _MOE_LAYERS: dict[tuple, int] = {}
 _FLOPS: dict[tuple, int] = {}
 _ATTENTION: dict[tuple, AttentionTerms] = {}
 _LIMIT = 256
-# ModelConfig's tables (dataclasses, unhashable): keyed by their values.
-_TABLES = ("moe", "mla", "mtp")
 
 
 def _key(m: ModelConfig) -> tuple:
-    return tuple(tuple(vars(v).values()) if k in _TABLES else v for k, v in vars(m).items())
+    return tuple(_hashable(v) for k, v in vars(m).items())
+
+
+def _hashable(value):
+    if isinstance(value, list):  # model.layer_types
+        return tuple(value)
+    return tuple(vars(value).values()) if hasattr(value, "__dataclass_fields__") else value
 
 
 def _remember(cache: dict, key: tuple, value):

@@ -11,7 +11,7 @@ from kiln.config.sections import ModelConfig
 from kiln.model.decoder_block import DecoderBlock
 from kiln.model.deepseek.mla import MultiHeadLatentAttention
 from kiln.model.deepseek.mtp import MultiTokenPrediction
-from kiln.model.document_mask import layer_mask
+from kiln.model.document_mask import layer_masks
 from kiln.model.forward_args import LossScale, SequenceGathers, StageRole
 from kiln.model.init import init_decoder_weights
 from kiln.model.kv_cache import KVCache
@@ -70,7 +70,8 @@ class Transformer(nn.Module):
                 "a KV cache (generation) runs whole sequences in order in one process: "
                 "document_ids and positions (context parallel) cannot be combined with it"
             )
-        mask = layer_mask(document_ids, positions, context_parallel)
+        masks = layer_masks(document_ids, positions, context_parallel)  # no windows here
+        mask = masks[0] if masks is not None else None
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

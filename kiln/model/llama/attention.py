@@ -1,22 +1,36 @@
 """Grouped-query causal self-attention on scaled_dot_product_attention, with an optional KV cache
 or a mask (attention within each packed document, or by global positions under context parallel;
-see document_mask.py)."""
+see document_mask.py), a sliding window and attention sinks."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
-from kiln.model.document_mask import DocumentMask, masked_attention
+from kiln.model.document_mask import DocumentMask, causal_mask, masked_attention
 from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache, prefix_causal_mask
 from kiln.model.rope import apply_rope
 
 
+class HeadSinks(nn.Module):
+    """One learned logit per attention head (`weight`), split over tp ranks with the heads."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def local(self) -> torch.Tensor:
+        """This rank's heads' sinks (the whole weight outside tensor parallel)."""
+        return self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, window: int = 0):
+        """`window`: the sliding window of this layer (0: the whole context)."""
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = (
             cfg.n_heads,
@@ -29,6 +43,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.window = window
+        self.sinks = HeadSinks(cfg.n_heads) if cfg.attention_sinks else None
 
     def forward(
         self,
@@ -60,8 +76,13 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)
         if context_parallel is not None:
             k, v = context_parallel.gather_kv(k, v)
+        sinks = self.sinks.local() if self.sinks is not None else None
+        if mask is None and (self.window or sinks is not None):
+            # No mask from the data: the window's (or plain causal, for the sinks) by shape.
+            keys = k.shape[2]
+            mask = causal_mask(seq, keys, start=start, window=self.window, device=q.device)
         if mask is not None:
-            out = masked_attention(q, k, v, mask)
+            out = masked_attention(q, k, v, mask, sinks=sinks)
         else:
             out = F.scaled_dot_product_attention(
                 q,

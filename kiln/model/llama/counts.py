@@ -28,7 +28,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     d, hd = cfg.dim, cfg.resolved_head_dim
     attention = attention_terms(cfg).params
     dense_mlp = 3 * d * cfg.ffn_hidden_dim
-    norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
+    norms = 2 * d + (2 * hd if cfg.qk_norm else 0) + (cfg.n_heads if cfg.attention_sinks else 0)
     embedding = cfg.vocab_size * d
     head = cfg.vocab_size * d
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
@@ -47,9 +47,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Forward + backward FLOPs per trained token: 6 per matmul weight a token goes through
     (with MoE: its top-k experts, not all of them) plus causal attention.
 
-    Attention scores and values cost 12·L·S·D per token without a mask; causal halves that.
-    The embedding lookup is a gather, not a matmul, and is not counted.
+    Attention scores and values cost 12·L·S·D per token without a mask; causal halves that, and
+    a layer's sliding window counts the keys it sees. The embedding lookup is a gather, not a
+    matmul, and is not counted.
     """
     hd = cfg.resolved_head_dim
-    attention = causal_attention_flops(seq_len, cfg.n_heads, hd, hd)
-    return 6 * count_params(cfg).matmul + cfg.n_layers * attention
+    attention = sum(
+        causal_attention_flops(seq_len, cfg.n_heads, hd, hd, window=cfg.attention_window(i))
+        for i in range(cfg.n_layers)
+    )
+    return 6 * count_params(cfg).matmul + attention

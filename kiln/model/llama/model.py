@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from kiln.config.sections import ModelConfig
 from kiln.model.decoder_block import DecoderBlock
-from kiln.model.document_mask import layer_mask
+from kiln.model.document_mask import layer_masks
 from kiln.model.forward_args import SequenceGathers, StageRole
 from kiln.model.init import init_decoder_weights
 from kiln.model.kv_cache import KVCache
@@ -23,7 +23,7 @@ class Block(DecoderBlock):
     """A Llama block: grouped-query attention, then a SwiGLU or MoE feed-forward."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer, attention=Attention(cfg))
+        super().__init__(cfg, layer, attention=Attention(cfg, window=cfg.attention_window(layer)))
 
 
 class Transformer(nn.Module):
@@ -39,6 +39,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if held else None
         # A dict keyed by layer index keeps parameter names those of the whole model in a stage.
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in self.stage.layers})
+        # Each layer's sliding window (0: none): the masks built from the data, one per window.
+        self.windows = {i: cfg.attention_window(i) for i in self.stage.layers}
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps) if last else None
         head = last and not tied
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
@@ -60,7 +62,7 @@ class Transformer(nn.Module):
         """tokens (batch, seq) -> logits (batch, seq, vocab).
 
         With `document_ids` (batch, seq) (see `document_mask.document_ids`), attention stays
-        inside each document; one mask serves every layer. With `positions` (batch, seq) the
+        inside each document; one mask serves every layer of a window. With `positions` (batch, seq) the
         tokens sit at those positions of their sequences (context parallel: some chunks of each
         sequence; RoPE and the causal mask go by them).
 
@@ -76,7 +78,8 @@ class Transformer(nn.Module):
                 "a KV cache (generation) runs whole sequences in order in one process: "
                 "document_ids and positions (context parallel) cannot be combined with it"
             )
-        mask = layer_mask(document_ids, positions, context_parallel)
+        windows = tuple(sorted(set(self.windows.values())))
+        masks = layer_masks(document_ids, positions, context_parallel, windows=windows)
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:
             # (batch, 1, seq, head_dim): broadcast over the heads.
@@ -89,7 +92,7 @@ class Transformer(nn.Module):
                 sin,
                 cache,
                 int(name),
-                mask=mask,
+                mask=masks[self.windows[int(name)]] if masks is not None else None,
                 context_parallel=context_parallel,
                 moe_scale=moe_scale,
             )

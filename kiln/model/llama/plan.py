@@ -21,7 +21,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from kiln.config.sections import ModelConfig
 from kiln.model.parallel_plan import ParallelPlan
-from kiln.model.tp_styles import dense_ffn_tp, embedding_and_head_tp, is_moe_block, moe_ffn_tp
+from kiln.model.tp_styles import (
+    ShardByHeads,
+    dense_ffn_tp,
+    embedding_and_head_tp,
+    is_moe_block,
+    moe_ffn_tp,
+)
 
 
 def llama_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -76,6 +82,8 @@ def _llama_block_tp(block: nn.Module) -> dict[str, ParallelStyle]:
         "ffn_norm": SequenceParallel(),
         **(moe_ffn_tp() if is_moe_block(block) else dense_ffn_tp()),
     }
+    if block.attention.sinks is not None:
+        plan["attention.sinks"] = ShardByHeads()
     if block.attention.q_norm is not None:
         # q and k are (batch, heads, seq, head_dim) with this rank's heads: the norm weight, shared
         # by all heads, is replicated and its input marked as split along dim 1, so the weight's
