@@ -27,11 +27,10 @@ def attention_problems(cfg: JobConfig) -> list[str]:
             "model.layer_types has sliding_attention layers but model.sliding_window is 0: set "
             "the window's length in tokens"
         )
-    if 0 < cfg.train.seq_len <= m.sliding_window:
+    if 0 < m.max_seq_len < m.sliding_window:
         p.append(
-            f"model.sliding_window ({m.sliding_window}) is not shorter than train.seq_len "
-            f"({cfg.train.seq_len}): every query would see its whole sequence, which is full "
-            f"attention; set model.sliding_window = 0 (or mark the layers full_attention), or "
-            f"train on sequences longer than the window"
+            f"model.sliding_window ({m.sliding_window}) is longer than the model's context, "
+            f"model.max_seq_len ({m.max_seq_len}): no sequence reaches past the window, so it is "
+            f"full attention; set model.sliding_window = 0, or a window within the context"
         )
     return p

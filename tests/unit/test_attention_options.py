@@ -143,7 +143,7 @@ def test_windowed_flops_count_the_keys_each_query_sees():
 
 
 BAD = {
-    "a window as long as the sequence": (["--model.sliding_window=128"], "not shorter than train.seq_len"),
+    "a window longer than the context": (["--model.sliding_window=4096"], "longer than the model's context"),
     "layer types for another depth": (
         ["--model.sliding_window=8", "--model.layer_types=['sliding_attention']"],
         "lists 1 layers, model.n_layers is 2",

@@ -8,7 +8,11 @@ from functools import partial
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.family import HfAdapter
-from kiln.model.llama.hf_llama import llama_config_from_hf, llama_hf_config
+from kiln.model.llama.hf_llama import (
+    attention_export_problems,
+    llama_config_from_hf,
+    llama_hf_config,
+)
 from kiln.model.llama.hf_moe import (
     FAMILIES,
     check_expert_biases,
@@ -28,7 +32,7 @@ def _llama_export_problems(cfg: ModelConfig) -> list[str]:
         problems.append(f"model.moe.num_experts = {cfg.moe.num_experts} (Llama is dense)")
     if cfg.qk_norm:
         problems.append("model.qk_norm = true (Llama's attention does not normalize q and k)")
-    return problems
+    return problems + attention_export_problems(cfg, "Llama", window="none")
 
 
 def _dense_names(cfg: ModelConfig, hf_names: set[str] | None = None) -> dict:

@@ -105,19 +105,48 @@ def base_problems(hf: dict[str, Any]) -> list[str]:
     return problems
 
 
-def window_problems(hf: dict[str, Any], *, sliding_flag: bool) -> list[str]:
-    """Sliding-window attention: kiln attends to the whole context. A window as long as the
-    context changes nothing; Qwen3 and Qwen3-MoE (`sliding_flag`) ignore their window unless
-    use_sliding_window is set."""
+def window_fields(hf: dict[str, Any], *, sliding_flag: bool, per_layer: bool) -> dict[str, Any]:
+    """kiln's sliding_window and layer_types for a config's sliding-window attention, as
+    transformers applies it: Qwen3 and Qwen3-MoE (`sliding_flag`) only with use_sliding_window;
+    Qwen3 (`per_layer`) on the layers from max_window_layers on, or as its layer_types say;
+    Mixtral and Qwen3-MoE on every layer. A window the context never exceeds is full
+    attention: none."""
     window = hf.get("sliding_window")
     if sliding_flag and not hf.get("use_sliding_window", False):
         window = None
     context = hf.get("max_position_embeddings", 2048)
     if window is None or window >= context:
-        return []
-    return [
-        f"sliding_window = {window} < max_position_embeddings = {context} (kiln attends to all)"
+        return {}
+    if not per_layer:
+        return {"sliding_window": int(window)}
+    n_layers, first = hf["num_hidden_layers"], hf.get("max_window_layers", hf["num_hidden_layers"])
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
     ]
+    if "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": list(types)}
+
+
+def attention_export_problems(cfg: ModelConfig, family: str, *, window: str) -> list[str]:
+    """What of kiln's attention options `family` cannot express: sinks never; a sliding window
+    on `window` = "none", "every_layer" or "per_layer" of its layers."""
+    problems = []
+    if cfg.attention_sinks:
+        problems.append(f"model.attention_sinks = true ({family}'s attention has no sinks)")
+    windows = {cfg.attention_window(i) for i in range(cfg.n_layers)}
+    if windows != {0} and window == "none":
+        problems.append(f"model.sliding_window = {cfg.sliding_window} ({family} has no window)")
+    elif len(windows) > 1 and window == "every_layer":
+        problems.append(f"model.layer_types with full layers ({family} windows every layer)")
+    return problems
+
+
+def window_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The sliding-window keys of a Qwen3/Qwen3-MoE/Mixtral config.json for kiln's model."""
+    if not cfg.sliding_window:
+        return {"use_sliding_window": False, "sliding_window": None}
+    return {"use_sliding_window": True, "sliding_window": cfg.sliding_window}
 
 
 def base_fields(hf: dict[str, Any], *, rope_theta: float, norm_eps: float) -> dict[str, Any]:

@@ -25,12 +25,14 @@ from kiln.errors import KilnError
 from kiln.model.family import HfPart, NameMap
 from kiln.model.llama.hf_llama import (
     REQUIRED_KEYS,
+    attention_export_problems,
     base_fields,
     base_hf_config,
     base_problems,
     check_required,
     raise_problems,
-    window_problems,
+    window_fields,
+    window_hf_config,
 )
 from kiln.model.llama.hf_names import model_names
 
@@ -74,12 +76,13 @@ def moe_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     layers, layer_problems = _qwen3_layers(hf) if kind == "qwen3_moe" else ({}, [])
     raise_problems(
         family,
-        base_problems(hf) + window_problems(hf, sliding_flag=kind == "qwen3_moe") + layer_problems,
+        base_problems(hf) + layer_problems,
     )
     experts = _num_experts(hf)
     expert_dim = hf["moe_intermediate_size"] if kind == "qwen3_moe" else hf["intermediate_size"]
     return ModelConfig(
         **base_fields(hf, **_DEFAULTS[kind]),
+        **window_fields(hf, sliding_flag=kind == "qwen3_moe", per_layer=False),
         ffn_hidden_dim=hf["intermediate_size"],
         qk_norm=kind == "qwen3_moe",
         moe=MoEConfig(
@@ -132,6 +135,7 @@ def export_family_problems(cfg: ModelConfig, *, kind: str) -> list[str]:
     if cfg.moe.num_experts <= 0:
         return [f"model.moe.num_experts = {cfg.moe.num_experts} ({family} has routed experts)"]
     problems = _routing_problems(cfg, family)
+    problems += attention_export_problems(cfg, family, window="every_layer")
     if kind == "mixtral":
         if not cfg.moe.route_norm:
             problems.append("model.moe.route_norm = false (Mixtral renormalizes the top-k weights)")
@@ -187,7 +191,7 @@ def moe_hf_config(
         **base_hf_config(cfg, dtype, special),
         "num_experts_per_tok": cfg.moe.top_k,
         "output_router_logits": False,
-        "sliding_window": None,
+        **window_hf_config(cfg),
     }
     if kind == "mixtral":
         config.update(
@@ -204,7 +208,6 @@ def moe_hf_config(
         # Qwen3-MoE's own spelling; transformers 5 maps it onto num_local_experts.
         "num_experts": cfg.moe.num_experts,
         "norm_topk_prob": cfg.moe.route_norm,
-        "use_sliding_window": False,
     }
 
 

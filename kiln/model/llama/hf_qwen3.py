@@ -1,7 +1,7 @@
 """Hugging Face Qwen3 (dense) <-> kiln: a Llama block with per-head RMSNorms on the queries and
 keys (kiln's qk_norm), a head width of its own (head_dim: 128 on every released size), and tied
 embeddings on the small sizes. Sliding-window attention exists in its config but is off in every
-release; kiln refuses a config that turns it on, as it refuses any key it does not model."""
+release; a config that turns it on maps onto kiln's sliding_window and layer_types."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from typing import Any
 from kiln.config import ModelConfig
 from kiln.model.llama.hf_llama import (
     REQUIRED_KEYS,
+    attention_export_problems,
     base_fields,
     base_hf_config,
     base_problems,
     check_required,
     raise_problems,
-    window_problems,
+    window_fields,
+    window_hf_config,
 )
 
 # Qwen3Config's defaults for keys a config.json may leave out.
@@ -28,12 +30,13 @@ def qwen3_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """kiln's ModelConfig for a Qwen3ForCausalLM config.json, refusing what kiln would compute
     differently."""
     check_required(hf, REQUIRED_KEYS, "Qwen3")
-    problems = base_problems(hf) + window_problems(hf, sliding_flag=True)
+    problems = base_problems(hf)
     unknown = sorted({kind for kind in hf.get("layer_types") or () if kind not in _LAYER_TYPES})
     if unknown:
-        problems.append(f"layer_types {unknown} (kiln's Qwen3 blocks are full attention)")
+        problems.append(f"layer_types {unknown} (kiln knows {', '.join(_LAYER_TYPES)})")
     raise_problems("Qwen3", problems)
     fields = base_fields(hf, rope_theta=_ROPE_THETA, norm_eps=_NORM_EPS)
+    fields |= window_fields(hf, sliding_flag=True, per_layer=True)
     return ModelConfig(ffn_hidden_dim=hf["intermediate_size"], qk_norm=True, **fields)
 
 
@@ -46,10 +49,12 @@ def qwen3_hf_config(
         "model_type": "qwen3",
         "intermediate_size": cfg.ffn_hidden_dim,
         **base_hf_config(cfg, dtype, special),
-        "use_sliding_window": False,
-        "sliding_window": None,
+        **window_hf_config(cfg),
         "max_window_layers": cfg.n_layers,
-        "layer_types": ["full_attention"] * cfg.n_layers,
+        "layer_types": [
+            "sliding_attention" if cfg.attention_window(i) else "full_attention"
+            for i in range(cfg.n_layers)
+        ],
     }
 
 
@@ -62,4 +67,4 @@ def qwen3_export_problems(cfg: ModelConfig) -> list[str]:
         )
     if not cfg.qk_norm:
         problems.append("model.qk_norm = false (every Qwen3 attention normalizes q and k)")
-    return problems
+    return problems + attention_export_problems(cfg, "Qwen3", window="per_layer")
