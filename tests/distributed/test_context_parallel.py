@@ -12,6 +12,7 @@ from tests.distributed.parity import (
     GLOBAL_BATCH,
     SAVE,
     STEPS,
+    WINDOWED,
     assert_parity,
     copy_to_resume,
     records,
@@ -24,12 +25,19 @@ LAYOUTS = {
     "cp=2": (2, ["--distributed.cp=2", "--train.batch_size=8", SAVE]),
     "cp=4": (4, ["--distributed.cp=4", "--train.batch_size=8"]),
     "cp=2 x dp_shard=2, Qwen3-shaped": (4, ["--distributed.cp=2", "--train.batch_size=4"]),
-    "cp=2 x tp=2": (4, ["--distributed.cp=2", "--distributed.tp=2", "--train.batch_size=8"]),
+    "cp=2 x tp=2, sliding window and sinks": (
+        4,
+        ["--distributed.cp=2", "--distributed.tp=2", "--train.batch_size=8"],
+    ),
     "cp=2 x pp=2": (4, ["--distributed.cp=2", "--distributed.pp=2", "--train.batch_size=8"]),
 }
 MASKS = {"causal": (), "document mask": ("--data.document_mask=true",)}
 # The model of a layout where it is not the debug one: Qwen3-shaped (test_parity.py's QWEN3).
-MODELS = {"cp=2 x dp_shard=2, Qwen3-shaped": QWEN3}
+MODELS = {
+    "cp=2 x dp_shard=2, Qwen3-shaped": QWEN3,
+    # A window crossing the chunks a rank holds, sinks split over the tp ranks.
+    "cp=2 x tp=2, sliding window and sinks": WINDOWED,
+}
 
 
 def masked(mask, demo_data):

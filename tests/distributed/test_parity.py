@@ -13,6 +13,7 @@ import pytest
 from tests.distributed.parity import (
     SAVE,
     STEPS,
+    WINDOWED,
     assert_parity,
     copy_to_resume,
     records,
@@ -70,10 +71,10 @@ LAYOUTS = {
         ["--train.batch_size=4", "--distributed.reshard_after_forward=false"],
         QWEN3,
     ),
-    "dp_shard=2, full AC": (
+    "dp_shard=2, full AC, sliding window and sinks": (
         2,
         ["--train.batch_size=4", "--train.activation_checkpointing=full"],
-        (),
+        WINDOWED,
     ),
     "dp_replicate=2 x dp_shard=2, selective AC": (
         4,
@@ -96,7 +97,7 @@ LAYOUTS = {
         ],
         (),
     ),
-    "tp=2": (2, ["--distributed.tp=2", "--train.batch_size=8"], ()),
+    "tp=2, sliding window and sinks": (2, ["--distributed.tp=2", "--train.batch_size=8"], WINDOWED),
     "tp=4": (4, ["--distributed.tp=4", "--train.batch_size=8"], KV4),
     "tp=2, tied embeddings": (2, ["--distributed.tp=2", "--train.batch_size=8"], TIED),
     "tp=2 x dp_shard=2, Qwen3-shaped": (4, ["--distributed.tp=2", "--train.batch_size=4"], QWEN3),

@@ -10,6 +10,7 @@ from tests.distributed.parity import (
     STEPS,
     TOLERANCE,
     VIRTUAL_STAGES,
+    WINDOWED,
     assert_parity,
     copy_to_resume,
     records,
@@ -52,6 +53,13 @@ RAMP = (
     "--scheduler.unit=tokens",
 )
 MASKED = (*L4, "--data.document_mask=true")
+# Each stage builds its layers' masks, one per window (parity.py's WINDOWED on four layers).
+MASKED_WINDOWED = (
+    *MASKED,
+    *WINDOWED,
+    "--model.layer_types=['sliding_attention', 'full_attention', 'sliding_attention', "
+    "'full_attention']",
+)
 
 LAYOUTS = {
     **{
@@ -124,7 +132,11 @@ LAYOUTS = {
     ),
     "pp=2 zbv, tied embeddings on one rank": (2, ["--distributed.pp=2", *schedule("zbv")], TIED4),
     # Every stage builds the document mask from the tokens: keyword arguments of the schedule.
-    "pp=2 1f1b, document mask": (2, ["--distributed.pp=2", *schedule("1f1b")], MASKED),
+    "pp=2 1f1b, document mask, sliding window and sinks": (
+        2,
+        ["--distributed.pp=2", *schedule("1f1b")],
+        MASKED_WINDOWED,
+    ),
     "pp=2 interleaved_1f1b x dp_shard=2, document mask": (
         4,
         ["--distributed.pp=2", *schedule("interleaved_1f1b"), "--train.batch_size=4"],
