@@ -1,7 +1,7 @@
 """The DeepSeek-V3 family: multi-head latent attention, DeepSeek's Mixture of Experts (sigmoid
 routing in groups, shared experts, auxiliary-loss-free balancing) after dense first blocks, YaRN
-rotary scaling and multi-token prediction. Covers DeepSeek-V3/R1/V3.1 and the V2-Lite shape.
-docs/models.md."""
+rotary scaling and multi-token prediction. Covers DeepSeek-V3/R1/V3.1, Kimi K2, Moonlight and the
+V2-Lite shape. docs/models.md."""
 
 from __future__ import annotations
 

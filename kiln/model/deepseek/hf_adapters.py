@@ -1,5 +1,8 @@
 """The Hugging Face architecture the DeepSeek-V3 family converts, both directions:
 `DeepseekV3ForCausalLM` (hf_deepseek.py: config.json <-> ModelConfig), and the tensor name maps.
+Kimi K2's checkpoints (model_type "kimi_k2", the same architecture and tensor names) are read by
+a second adapter of the same functions; every export is model_type "deepseek_v3", which
+transformers builds natively.
 
 Names. kiln's blocks are `layers.{i}` with `attention.{wq | wq_a, q_norm, wq_b}`, `wkv_a`,
 `kv_norm`, `wkv_b`, `wo`, and `feed_forward.*` (the Llama family's dense and MoE names); Hugging
@@ -32,10 +35,13 @@ folder and leaves those layers out (it reports them as unexpected keys).
 
 from __future__ import annotations
 
+import dataclasses
+
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.deepseek.hf_deepseek import (
     ARCHITECTURE,
+    KIMI_K2_MODEL_TYPE,
     MODEL_TYPE,
     deepseek_config_from_hf,
     deepseek_export_problems,
@@ -173,7 +179,8 @@ DEEPSEEK_V3 = HfAdapter(
     export_names=deepseek_export_names,
     export_problems=deepseek_export_problems,
 )
-ADAPTERS = (DEEPSEEK_V3,)
+KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, model_type=KIMI_K2_MODEL_TYPE)
+ADAPTERS = (DEEPSEEK_V3, KIMI_K2)
 
 
 def export_adapter(cfg: ModelConfig) -> HfAdapter:

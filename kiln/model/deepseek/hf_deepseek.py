@@ -1,5 +1,6 @@
-"""Hugging Face DeepSeek-V3 configs (`DeepseekV3ForCausalLM`, model_type "deepseek_v3") <->
-kiln's ModelConfig of the deepseek_v3 family.
+"""Hugging Face DeepSeek-V3 configs (`DeepseekV3ForCausalLM`, model_type "deepseek_v3", or
+"kimi_k2" for Moonshot's Kimi K2, whose remote code is DeepSeek-V3's modeling and whose keys mean
+the same) <-> kiln's ModelConfig of the deepseek_v3 family.
 
 A config.json is read in the spelling of transformers 5 (`rope_parameters`, which holds
 rope_theta) or of the released checkpoints and transformers 4 (`rope_scaling` with `type`, and
@@ -22,6 +23,7 @@ from kiln.errors import ConfigError
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
+KIMI_K2_MODEL_TYPE = "kimi_k2"
 
 REQUIRED_KEYS = (
     "hidden_size",
@@ -51,9 +53,6 @@ _DEFAULTS: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 _ROPE_THETA = 10000.0
-# transformers' DeepseekV3RMSNorm of the query and key-value latents is built without an eps
-# argument, so it is 1e-6 whatever rms_norm_eps says; kiln uses model.norm_eps for every norm.
-LATENT_NORM_EPS = 1e-6
 # Keys of DeepSeek's own config (read by its inference code, ignored by transformers) and the
 # one value kiln, like transformers, computes.
 _FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
@@ -146,17 +145,11 @@ def _model_problems(hf: dict[str, Any], get) -> list[str]:
             f"rope_interleave = {hf.get('rope_interleave')!r} (kiln reads the rotary rows in the "
             "interleaved layout of the released checkpoints, transformers' default)"
         )
-    if float(get("rms_norm_eps")) != LATENT_NORM_EPS:
-        problems.append(
-            f"rms_norm_eps = {hf['rms_norm_eps']} (transformers normalizes the query and "
-            f"key-value latents with eps {LATENT_NORM_EPS} whatever rms_norm_eps says, kiln "
-            "every norm with one eps)"
-        )
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?")
         problems.append(
-            f"quantization_config ({method!r}: quantized weights with their scales, as the "
-            "released DeepSeek-V3 is in fp8; dequantize to bf16 first)"
+            f"quantization_config ({method!r}: quantized weights with their scales, as DeepSeek "
+            "and Kimi K2 release fp8 and Kimi K2 Thinking int4; dequantize to bf16 first)"
         )
     problems += [
         f"{key} = {hf[key]!r} (kiln computes {key} = {value!r})"
@@ -337,9 +330,4 @@ def deepseek_export_problems(cfg: ModelConfig) -> list[str]:
         problems.append("n_kv_heads != n_heads, tied embeddings or qk_norm (not DeepSeek-V3's)")
     if cfg.rope_scaling not in ("none", "yarn"):
         problems.append(f"model.rope_scaling = {cfg.rope_scaling!r} (DeepSeek-V3 uses YaRN)")
-    if cfg.norm_eps != LATENT_NORM_EPS:
-        problems.append(
-            f"model.norm_eps = {cfg.norm_eps} (transformers normalizes the query and key-value "
-            f"latents with eps {LATENT_NORM_EPS} whatever rms_norm_eps says)"
-        )
     return problems

@@ -15,6 +15,10 @@ from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache, prefix_causal_mask
 from kiln.model.rope import apply_rope, yarn_mscale
 
+# DeepSeek's code (its own and transformers') builds the query and key-value latent norms without
+# an eps argument: 1e-6, whatever rms_norm_eps (model.norm_eps, the blocks' norms) says.
+LATENT_NORM_EPS = 1e-6
+
 
 def softmax_scale(cfg: ModelConfig) -> float:
     """1 / sqrt(query width), times YaRN's mscale_all_dim correction squared when stretched."""
@@ -35,7 +39,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.low_rank_query = m.q_lora_rank > 0
         if self.low_rank_query:
             self.wq_a = nn.Linear(cfg.dim, m.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(m.q_lora_rank, eps=cfg.norm_eps)
+            self.q_norm = nn.RMSNorm(m.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = nn.Linear(m.q_lora_rank, query_width, bias=False)
         else:
             self.wq = nn.Linear(cfg.dim, query_width, bias=False)
@@ -43,7 +47,7 @@ class MultiHeadLatentAttention(nn.Module):
         # The rotary key every head shares, as a module: tensor parallel sums its gradient over
         # the ranks' heads here (plan.py), since it reaches no head-split projection.
         self.shared_rope_key = nn.Identity()
-        self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=cfg.norm_eps)
+        self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(m.kv_lora_rank, cfg.n_heads * (self.nope + self.value), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.value, cfg.dim, bias=False)
 
