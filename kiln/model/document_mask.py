@@ -96,13 +96,19 @@ def causal_mask(
 ) -> DocumentMask:
     """The mask of queries at positions start..start+queries over keys 0..keys without
     document ids: causal, within `window` (0: none). It depends only on the shapes, so every
-    layer and step of one shape shares it."""
-    ids = torch.zeros(1, queries, dtype=torch.int32, device=device)
-    key_ids = torch.zeros(1, keys, dtype=torch.int32, device=device)
-    positions = torch.arange(start, start + queries, device=device)[None]
-    return _build(
-        ids, key_ids, (positions, torch.arange(keys, device=device)[None]), "auto", window
-    )
+    layer and step of one shape shares it; one mask for every sequence of a batch."""
+    if device.type == "cuda":
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            behind = q_idx + start - kv_idx
+            return (behind >= 0) & (behind < window) if window else behind >= 0
+
+        # B and H None: broadcast over the batch and the heads.
+        return _compiled(create_block_mask)(mask_mod, None, None, queries, keys, device=device)
+    behind = torch.arange(start, start + queries, device=device)[:, None]
+    behind = behind - torch.arange(keys, device=device)[None, :]
+    visible = (behind >= 0) & (behind < window) if window else behind >= 0
+    return visible[None, None]
 
 
 def masked_attention(

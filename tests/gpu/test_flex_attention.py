@@ -151,3 +151,51 @@ def test_model_gradients_on_flex_match_sdpa(device: torch.device) -> None:
     assert flex.keys() == sdpa.keys()
     for name in sdpa:
         assert relative(flex[name], sdpa[name]) <= BF16_RELATIVE, name
+
+
+WINDOW = 100  # under the 300 tokens and across flex's 128-token blocks
+
+
+@quiet_flex
+@pytest.mark.parametrize("kind", MASKS)
+def test_a_window_and_sinks_on_flex_match_the_dense_softmax(
+    kind: str, device: torch.device
+) -> None:
+    """Sliding window and attention sinks (docs/models.md): flex's output scaled by
+    σ(lse − sink) against the softmax written out with the sink as a column, fp32, forward and
+    (on CUDA) gradients of q, k, v and the sinks; the bands are the ones above."""
+    q, k, v, _, _ = case(kind, device, grad=device.type == "cuda")
+    generator = torch.Generator().manual_seed(11)
+    sinks = torch.randn(HEADS, generator=generator).to(device).requires_grad_(device.type == "cuda")
+    ids = torch.zeros(BATCH, q.shape[2], dtype=torch.int32, device=device)
+    if kind == "causal":  # the mask by shape alone, broadcast over the batch
+        dense = build_document_mask(ids, kernel="sdpa", window=WINDOW)
+        block = document_mask_module.causal_mask(SEQ, SEQ, start=0, window=WINDOW, device=device)
+        if device.type != "cuda":
+            block = build_document_mask(ids, kernel="flex", window=WINDOW)
+    else:
+        _, _, _, dense, block = case(kind, device, grad=False)
+        dense, block = (_with_window(kind, device, kernel) for kernel in ("sdpa", "flex"))
+    flex = masked_attention(q, k, v, block, sinks=sinks)
+    written_out = masked_attention(q, k, v, dense, sinks=sinks)
+    assert (flex - written_out).abs().max().item() <= FORWARD_ATOL
+    if device.type != "cuda":
+        return
+    upstream = torch.randn(q.shape, generator=generator).to(device)
+    got = torch.autograd.grad(flex, (q, k, v, sinks), upstream)
+    expected = torch.autograd.grad(written_out, (q, k, v, sinks), upstream)
+    for a, b, name in zip(got, expected, ("q", "k", "v", "sinks"), strict=True):
+        assert (a - b).abs().max().item() <= GRADIENT_ATOL * max(1.0, b.abs().max().item()), name
+
+
+def _with_window(kind: str, device: torch.device, kernel: str):
+    """`case`'s document or context-parallel mask of `kind`, within WINDOW."""
+    original = document_mask_module._build
+
+    def windowed(ids, key_ids, positions, kernel_, window):
+        return original(ids, key_ids, positions, kernel_, WINDOW)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(document_mask_module, "_build", windowed)
+        _, _, _, dense, block = case(kind, device, grad=False)
+    return dense if kernel == "sdpa" else block
