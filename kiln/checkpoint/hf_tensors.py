@@ -1,7 +1,8 @@
 """Moving tensors between safetensors files and a kiln model along a family's name map.
 
 Reading goes one tensor (or one expert) at a time through safetensors' memory maps, so an
-import holds the kiln model and one Hugging Face tensor at most.
+import holds the kiln model and one Hugging Face tensor at most. A tensor stored packed in
+MXFP4 (gpt-oss's experts: `<name>_blocks` and `<name>_scales`) is read as `<name>`, dequantized.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kiln.checkpoint.mxfp4 import BLOCKS, SCALES, dequantize_mxfp4, mxfp4_bases
 from kiln.errors import KilnError
 from kiln.model.family import HfPart, NameMap
 
@@ -19,7 +21,7 @@ from kiln.model.family import HfPart, NameMap
 def check_keys(hf_dir: Path, names: NameMap, tensor_files: dict[str, Path], tied: bool) -> None:
     """The checkpoint holds exactly the tensors the config implies: a missing or extra tensor
     means the config and the weights describe different models."""
-    present = {name for name in tensor_files if not name.endswith("rotary_emb.inv_freq")}
+    present = {name for name in stored_names(tensor_files) if not name.endswith("inv_freq")}
     if tied:
         # Some tied checkpoints store lm_head anyway; transformers ignores it, and so does kiln.
         present.discard("lm_head.weight")
@@ -48,12 +50,12 @@ def load_tensors(model: torch.nn.Module, names: NameMap, tensor_files: dict[str,
                 continue  # kept at its initial value (the router's expert_bias: zeros)
             param = targets[kiln_name]
             for part in parts:
-                tensor = _read(handles[tensor_files[part.name]], part)
+                tensor = _read(handles, tensor_files, part)
                 target = param[part.expert] if part.expert is not None else param
                 if tensor.shape != target.shape:
                     half = "" if part.half is None else f"the {('gate', 'up')[part.half]} half of "
                     raise KilnError(
-                        f"{half}{part.name} in {tensor_files[part.name]} has shape "
+                        f"{half}{part.name} in {_file_of(tensor_files, part.name)} has shape "
                         f"{tuple(tensor.shape)}, but config.json implies {tuple(target.shape)}; "
                         "the config and weights disagree"
                     )
@@ -73,18 +75,40 @@ def _check_copy(name: str, tensor: torch.Tensor, main: str, target: torch.Tensor
         )
 
 
-def _read(handle, part: HfPart) -> torch.Tensor:
-    """The HF tensor of `part`, or only its half (a fused gate_up_proj: gate rows, then up), with
-    its rows in kiln's order."""
-    if part.half is None:
-        tensor = handle.get_tensor(part.name)
+def stored_names(tensor_files: dict[str, Path]) -> set[str]:
+    """The tensors a checkpoint holds, an MXFP4 pair counted as the one tensor it packs."""
+    bases = mxfp4_bases(tensor_files)
+    packed = {base + suffix for base in bases for suffix in (BLOCKS, SCALES)}
+    return (set(tensor_files) - packed) | set(bases)
+
+
+def _read(handles: dict, tensor_files: dict[str, Path], part: HfPart) -> torch.Tensor:
+    """The HF tensor of `part` (dequantized where it is packed in MXFP4), or only its half (a
+    fused gate_up_proj: gate rows, then up) or every other unit, in kiln's order and layout."""
+    if part.name not in tensor_files:
+        blocks, scales = (_whole(handles, tensor_files, part.name + s) for s in (BLOCKS, SCALES))
+        tensor = dequantize_mxfp4(blocks, scales, torch.float32, part.name)
+    elif part.half is None:
+        tensor = _whole(handles, tensor_files, part.name)
     else:
-        view = handle.get_slice(part.name)
+        view = handles[tensor_files[part.name]].get_slice(part.name)
         rows = view.get_shape()[1] // 2
         tensor = view[:, part.half * rows : (part.half + 1) * rows]
+    if part.interleave is not None:
+        tensor = tensor[..., part.interleave :: 2]
+    if part.transposed:
+        tensor = tensor.transpose(-2, -1)
     if part.rows is not None:
         tensor = tensor[list(part.rows)]
     return tensor
+
+
+def _file_of(tensor_files: dict[str, Path], name: str) -> Path:
+    return tensor_files.get(name) or tensor_files[name + BLOCKS]
+
+
+def _whole(handles: dict, tensor_files: dict[str, Path], name: str) -> torch.Tensor:
+    return handles[tensor_files[name]].get_tensor(name)
 
 
 def export_tensors(model: torch.nn.Module, names: NameMap) -> dict[str, torch.Tensor]:
@@ -97,6 +121,15 @@ def export_tensors(model: torch.nn.Module, names: NameMap) -> dict[str, torch.Te
             if part.half is not None:
                 raise ValueError(f"{part.name}: fused halves are read, never written")
             view = tensor[part.expert] if part.expert is not None else tensor
+            if part.transposed:  # a copy: safetensors writes contiguous tensors
+                view = view.transpose(-2, -1).contiguous()
+            if part.interleave is not None:  # one of the units a fused tensor alternates
+                fused = weights.get(part.name)
+                if fused is None:
+                    shape = (*view.shape[:-1], 2 * view.shape[-1])
+                    fused = weights[part.name] = torch.empty(shape, dtype=view.dtype)
+                fused[..., part.interleave :: 2] = view
+                continue
             if part.rows is not None:
                 # Back to the Hugging Face order: HF row rows[r] is kiln row r.
                 order = torch.empty(len(part.rows), dtype=torch.long)

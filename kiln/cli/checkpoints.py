@@ -12,7 +12,7 @@ from kiln.errors import KilnError
 
 # What kiln/model/registry.py's families convert, both ways (tests/unit/test_model_families.py
 # checks the list against the registry).
-HF_ARCHITECTURES = "Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3"
+HF_ARCHITECTURES = "Llama, Qwen3, Mixtral, Qwen3-MoE, GptOss, DeepSeek-V3 (Kimi K2)"
 
 
 def add_parsers(subcommand) -> None:
@@ -64,8 +64,8 @@ def add_parsers(subcommand) -> None:
     kiln_to_hf = direction.add_parser(
         "kiln-to-hf",
         help="kiln checkpoint -> HF directory, as its model's architecture: Llama (Qwen3 with "
-        "qk_norm), Mixtral for MoE (Qwen3-MoE with qk_norm), DeepSeek-V3 for model.family "
-        "deepseek_v3",
+        "qk_norm), Mixtral for MoE (Qwen3-MoE with qk_norm), GptOss with attention sinks, "
+        "DeepSeek-V3 for model.family deepseek_v3",
     )
     kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
     kiln_to_hf.add_argument("output", help="new Hugging Face model directory")

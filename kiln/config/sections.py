@@ -43,6 +43,8 @@ SpikeAction = Literal["none", "skip"]
 BatchRampShape = Literal["linear", "step"]
 # Hugging Face's names for a layer's attention (`layer_types`).
 AttentionLayerType = Literal["full_attention", "sliding_attention"]
+# The routed experts' activation: SwiGLU, or gpt-oss's clamped SwiGLU (moe.swiglu_*).
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 ScheduleUnit = Literal["steps", "tokens"]
 WandbMode = Literal["online", "offline", "disabled"]
 
@@ -81,6 +83,13 @@ class MoEConfig:
     # 0: dropless; > 0: an expert takes at most ceil(factor · tokens · top_k / num_experts)
     # assignments, lower token indices first, and drops the rest.
     capacity_factor: float = 0.0
+    # gpt-oss: biases on the router and the experts' projections, and the clamped SwiGLU
+    # (gate clamped to at most swiglu_limit, up to ±swiglu_limit; (up + 1) · gate ·
+    # sigmoid(swiglu_alpha · gate)).
+    bias: bool = False
+    activation: ExpertActivation = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass
@@ -137,9 +146,13 @@ class ModelConfig:
     rope_yarn_beta_slow: float = 1.0
     rope_yarn_mscale: float = 1.0
     rope_yarn_mscale_all_dim: float = 0.0
+    # YaRN's ramp ends rounded to whole rotary dimensions (DeepSeek-V3), or not (gpt-oss).
+    rope_yarn_truncate: bool = True
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False
+    # Biases on the attention's q, k, v and output projections (gpt-oss).
+    attention_bias: bool = False
     # Sliding-window attention: a query sees itself and the sliding_window - 1 tokens before it
     # (0: no window). The layers it applies to: `layer_types`, one per layer as Hugging Face
     # names them, or every layer when empty.

@@ -1,5 +1,5 @@
-"""Validation of the attention options any family may use: the sliding window (per layer) and
-the attention sinks."""
+"""Validation of the options gpt-oss brought: the sliding window (per layer), the attention
+sinks and biases, and the experts' clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -7,14 +7,22 @@ from kiln.config.sections import JobConfig
 
 
 def attention_problems(cfg: JobConfig) -> list[str]:
-    """Every problem of model.sliding_window, model.layer_types and model.attention_sinks."""
+    """Every problem of model.sliding_window, layer_types, attention_sinks, attention_bias and
+    the clamped SwiGLU's model.moe.swiglu_alpha and swiglu_limit."""
     m, p = cfg.model, []
-    if m.family != "llama" and (m.sliding_window or m.layer_types or m.attention_sinks):
+    options = (m.sliding_window, m.layer_types, m.attention_sinks, m.attention_bias)
+    if m.family != "llama" and any(options):
         return [
-            f"model.sliding_window, model.layer_types and model.attention_sinks are options of "
-            f"the llama family's attention; family {m.family!r} computes its own (multi-head "
-            f"latent attention has no window or sinks): remove them"
+            f"model.sliding_window, model.layer_types, model.attention_sinks and "
+            f"model.attention_bias are options of the llama family's attention; family "
+            f"{m.family!r} computes its own (multi-head latent attention has no window, sinks "
+            f"or biases): remove them"
         ]
+    if m.moe.swiglu_alpha <= 0 or m.moe.swiglu_limit <= 0:
+        p.append(
+            f"model.moe.swiglu_alpha ({m.moe.swiglu_alpha}) and model.moe.swiglu_limit "
+            f"({m.moe.swiglu_limit}) must be positive (gpt-oss: 1.702 and 7.0)"
+        )
     if m.sliding_window < 0:
         p.append(f"model.sliding_window must be >= 0 (0: no window), got {m.sliding_window}")
     if m.layer_types and len(m.layer_types) != m.n_layers:

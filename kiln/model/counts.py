@@ -19,6 +19,16 @@ def moe_params(cfg: ModelConfig) -> tuple[int, int]:
     return always + cfg.moe.num_experts * expert, always + cfg.moe.top_k * expert
 
 
+def moe_bias_params(cfg: ModelConfig) -> tuple[int, int]:
+    """The biases of one MoE feed-forward with model.moe.bias (gpt-oss: the router's and each
+    expert's gate, up and down projections'): all of them, and those one token uses."""
+    if cfg.moe.num_experts <= 0 or not cfg.moe.bias:
+        return 0, 0
+    per_expert = 2 * cfg.expert_hidden_dim + cfg.dim
+    experts = cfg.moe.num_experts
+    return experts + experts * per_expert, experts + cfg.moe.top_k * per_expert
+
+
 def causal_attention_flops(
     seq_len: int, heads: int, key_width: int, value_width: int, *, window: int = 0
 ) -> int:

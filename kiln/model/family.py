@@ -76,6 +76,10 @@ class HfPart:
     interleaved in HF and half-split in kiln); export writes the inverse (a copy, not a view).
     copy: the HF tensor repeats another part of the same kiln tensor (DeepSeek-V3's MTP layer
     stores the embedding and head again): written on export, checked equal on import.
+    interleave: the kiln tensor is every other entry of the HF tensor's last dim from this one
+    (0 or 1: gpt-oss's gate_up_proj alternates gate and up units); written back interleaved.
+    transposed: the HF tensor holds the kiln tensor's last two dims swapped (gpt-oss's experts
+    are (experts, in, out), kiln's (experts, out, in)).
     """
 
     name: str
@@ -83,6 +87,8 @@ class HfPart:
     half: int | None = None
     rows: tuple[int, ...] | None = None
     copy: bool = False
+    interleave: int | None = None
+    transposed: bool = False
 
 
 # kiln name -> the Hugging Face tensors it is made of; a kiln tensor with no parts (the MoE

@@ -168,13 +168,21 @@ def _runs(indices: torch.Tensor) -> list[tuple[int, int, int]]:
 
 @torch.no_grad()
 def init_decoder_weights(model: nn.Module, cfg: ModelConfig, *, seed: int) -> None:
-    """Norms to 1, every other weight normal with `init_std`, in tiles (see the module doc)."""
+    """Norms to 1, biases to 0, every other weight normal with `init_std`, in tiles (see the
+    module doc)."""
     for wrapped_name, param in model.named_parameters():
         name = canonical_name(wrapped_name)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+        elif _is_bias(name):
+            param.zero_()
         else:
             fill_normal_(param, std=init_std(cfg, name), seed=seed, name=name)
+
+
+def _is_bias(name: str) -> bool:
+    """Linear layers' biases and the experts' (b1, b2, b3): zero at init, as transformers does."""
+    return name.endswith(".bias") or name.endswith(("experts.b1", "experts.b2", "experts.b3"))
 
 
 def init_std(cfg: ModelConfig, name: str) -> float:

@@ -51,6 +51,7 @@ class YarnScaling:
     mscale: float
     mscale_all_dim: float
     theta: float
+    truncate: bool = True  # the ramp's ends rounded to whole dimensions (gpt-oss: not)
 
     def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
         width = 2 * inv_freq.shape[0]
@@ -60,8 +61,10 @@ class YarnScaling:
             wavelengths = self.original_max_seq_len / (turns * 2 * math.pi)
             return width * math.log(wavelengths) / (2 * math.log(self.theta))
 
-        low = max(math.floor(dimension_of(self.beta_fast)), 0)
-        high = min(math.ceil(dimension_of(self.beta_slow)), width - 1)
+        low, high = dimension_of(self.beta_fast), dimension_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, width - 1)
         high = high + 0.001 if low == high else high
         pairs = torch.arange(inv_freq.shape[0], device=inv_freq.device, dtype=torch.float32)
         stretched = ((pairs - low) / (high - low)).clamp(0.0, 1.0)
@@ -100,6 +103,7 @@ def model_rope_tables(
             mscale=cfg.rope_yarn_mscale,
             mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
             theta=cfg.rope_theta,
+            truncate=cfg.rope_yarn_truncate,
         )
     return rope_tables(width, cfg.max_seq_len, cfg.rope_theta, device, scaling=scaling)
 

@@ -75,11 +75,17 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+def _is_matrix(name: str, param: nn.Parameter) -> bool:
+    """A weight matrix (or a stack of the experts'); not a norm gain, a bias or the experts'
+    stacked biases (experts.b1, b2, b3: one vector per expert)."""
+    return param.ndim >= 2 and not name.endswith(("experts.b1", "experts.b2", "experts.b3"))
+
+
 def _decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    # Norm gains (1-D) are scales, not features: decaying them toward 0 only hurts.
+    # Norm gains and biases are not features: decaying them toward 0 only hurts.
     return [
-        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for n, p in named if _is_matrix(n, p)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if not _is_matrix(n, p)], "weight_decay": 0.0},
     ]
 
 
@@ -92,9 +98,9 @@ def _adamw(groups: list[dict], cfg: OptimizerConfig, **overrides) -> torch.optim
 
 def _muon(model: nn.Module, cfg: OptimizerConfig, ns_dtype: torch.dtype, *, outside: set) -> list:
     named = _trainable(model)
-    matrices = [p for name, p in named if p.ndim >= 2 and name.split(".")[0] not in outside]
+    matrices = [p for n, p in named if _is_matrix(n, p) and n.split(".")[0] not in outside]
     rest = [(name, p) for name, p in named if not any(p is m for m in matrices)]
-    if not matrices and any(p.ndim >= 2 for _, p in named):
+    if not matrices and any(_is_matrix(n, p) for n, p in named):
         raise ConfigError(
             "optimizer.name = 'muon' found no hidden matrix to orthogonalize in this model part; "
             "use optimizer.name = 'adamw'"

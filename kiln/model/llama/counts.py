@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kiln.config.sections import ModelConfig
-from kiln.model.counts import causal_attention_flops, moe_params
+from kiln.model.counts import causal_attention_flops, moe_bias_params, moe_params
 from kiln.model.family import AttentionTerms, ParamCount
 
 
@@ -26,19 +26,28 @@ def attention_terms(cfg: ModelConfig) -> AttentionTerms:
 
 def count_params(cfg: ModelConfig) -> ParamCount:
     d, hd = cfg.dim, cfg.resolved_head_dim
-    attention = attention_terms(cfg).params
+    terms = attention_terms(cfg)
+    attention = terms.params
     dense_mlp = 3 * d * cfg.ffn_hidden_dim
-    norms = 2 * d + (2 * hd if cfg.qk_norm else 0) + (cfg.n_heads if cfg.attention_sinks else 0)
+    # Besides the matmul weights, per layer: norm gains, attention biases and sinks (gpt-oss).
+    vectors = 2 * d + (2 * hd if cfg.qk_norm else 0) + (cfg.n_heads if cfg.attention_sinks else 0)
+    if cfg.attention_bias:
+        vectors += terms.query_width + terms.key_width + terms.value_width + d
     embedding = cfg.vocab_size * d
     head = cfg.vocab_size * d
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     dense_layers = cfg.n_layers - moe_layers
     moe_total, moe_active = moe_params(cfg)
-    layers_total = cfg.n_layers * (attention + norms) + dense_layers * dense_mlp
+    bias_total, bias_active = moe_bias_params(cfg)
+    layers_total = cfg.n_layers * (attention + vectors) + dense_layers * dense_mlp
     total = (
-        embedding + layers_total + moe_layers * moe_total + d + (0 if cfg.tie_embeddings else head)
+        embedding
+        + layers_total
+        + moe_layers * (moe_total + bias_total)
+        + d
+        + (0 if cfg.tie_embeddings else head)
     )
-    idle_experts = moe_layers * (moe_total - moe_active)
+    idle_experts = moe_layers * (moe_total - moe_active + bias_total - bias_active)
     matmul = cfg.n_layers * attention + dense_layers * dense_mlp + moe_layers * moe_active + head
     return ParamCount(total=total, embedding=embedding, matmul=matmul, active=total - idle_experts)
 

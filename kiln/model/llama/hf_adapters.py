@@ -8,6 +8,12 @@ from functools import partial
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.family import HfAdapter
+from kiln.model.llama.hf_gpt_oss import (
+    gpt_oss_config_from_hf,
+    gpt_oss_export_problems,
+    gpt_oss_hf_config,
+    gpt_oss_names,
+)
 from kiln.model.llama.hf_llama import (
     attention_export_problems,
     llama_config_from_hf,
@@ -68,27 +74,41 @@ def _moe_adapter(kind: str) -> HfAdapter:
         import_names=partial(moe_import_names, kind=kind),
         export_names=partial(moe_export_names, kind=kind),
         export_problems=partial(export_family_problems, kind=kind),
-        check_export_model=partial(check_expert_biases, kind=kind),
+        check_export_model=partial(check_expert_biases, family=FAMILIES[kind][1]),
     )
 
 
 MIXTRAL, QWEN3_MOE = _moe_adapter("mixtral"), _moe_adapter("qwen3_moe")
-ADAPTERS = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)
+GPT_OSS = HfAdapter(
+    model_type="gpt_oss",
+    architecture="GptOssForCausalLM",
+    config_from_hf=gpt_oss_config_from_hf,
+    hf_config=gpt_oss_hf_config,
+    import_names=gpt_oss_names,
+    export_names=gpt_oss_names,
+    export_problems=gpt_oss_export_problems,
+    check_export_model=partial(check_expert_biases, family="gpt-oss"),
+)
+ADAPTERS = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, GPT_OSS)
 
 
 def export_adapter(cfg: ModelConfig) -> HfAdapter:
-    """The architecture with the same attention and feed-forward as `cfg`: q/k norms make it
-    Qwen3 (dense) or Qwen3-MoE, else Llama or Mixtral. Raises KilnError when that one would
-    compute something else, saying what."""
+    """The architecture with the same attention and feed-forward as `cfg`: sinks or clamped
+    experts make it gpt-oss, q/k norms Qwen3 (dense) or Qwen3-MoE, else Llama or Mixtral. Raises
+    KilnError when that one would compute something else, saying what."""
     moe = cfg.moe.num_experts > 0
-    adapter = {(False, False): LLAMA, (False, True): QWEN3, (True, False): MIXTRAL}.get(
-        (moe, cfg.qk_norm), QWEN3_MOE
-    )
+    if cfg.attention_sinks or cfg.moe.activation == "clamped_swiglu":
+        adapter, why = GPT_OSS, "the architecture of attention sinks and clamped SwiGLU experts"
+    else:
+        adapter = {(False, False): LLAMA, (False, True): QWEN3, (True, False): MIXTRAL}.get(
+            (moe, cfg.qk_norm), QWEN3_MOE
+        )
+        qk_norm = str(cfg.qk_norm).lower()
+        why = f"the architecture for model.qk_norm = {qk_norm}, {'MoE' if moe else 'dense'}"
     problems = adapter.export_problems(cfg)
     if problems:
         raise KilnError(
-            f"cannot export this model as {adapter.architecture} (the architecture for "
-            f"model.qk_norm = {str(cfg.qk_norm).lower()}, {'MoE' if moe else 'dense'}): "
+            f"cannot export this model as {adapter.architecture} ({why}): "
             + "; ".join(problems)
             + ". It would compute different outputs"
         )

@@ -163,7 +163,7 @@ def _routing_problems(cfg: ModelConfig, family: str) -> list[str]:
     return problems
 
 
-def check_expert_biases(model: nn.Module, *, kind: str) -> None:
+def check_expert_biases(model: nn.Module, *, family: str) -> None:
     """Refuse to export a model whose aux-loss-free balancing moved its routing biases: they
     decide which experts each token goes to, and the Hugging Face router has none."""
     moved = [
@@ -172,7 +172,6 @@ def check_expert_biases(model: nn.Module, *, kind: str) -> None:
         if name.endswith("router.expert_bias") and bool(buffer.any())
     ]
     if moved:
-        family = FAMILIES[kind][1]
         raise KilnError(
             f"{len(moved)} MoE block(s) have a non-zero router.expert_bias (first: {moved[0]}), "
             f"set by auxiliary-loss-free balancing (model.moe.bias_update_rate); {family}'s "

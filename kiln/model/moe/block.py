@@ -18,7 +18,7 @@ from kiln.model.moe.balancing import (
     sequence_balance_sum,
 )
 from kiln.model.moe.dispatch import LocalDispatcher
-from kiln.model.moe.experts import GroupedExperts
+from kiln.model.moe.experts import Activation, GroupedExperts
 from kiln.model.moe.router import Router, RouterOutput, is_training_forward
 
 # The balancing losses, in the order of `MoEFeedForward.aux_loss_sums`.
@@ -53,9 +53,16 @@ class MoEFeedForward(nn.Module):
             route_scale=cfg.moe.route_scale,
             n_groups=cfg.moe.n_groups,
             topk_groups=cfg.moe.topk_groups,
+            bias=cfg.moe.bias,
         )
         self.dispatcher = LocalDispatcher(experts, cfg.moe.top_k, cfg.moe.capacity_factor)
-        self.experts = GroupedExperts(experts, cfg.dim, hidden)
+        moe = cfg.moe
+        activation = Activation(
+            moe.activation == "clamped_swiglu", moe.swiglu_alpha, moe.swiglu_limit
+        )
+        self.experts = GroupedExperts(
+            experts, cfg.dim, hidden, bias=moe.bias, activation=activation
+        )
         shared = cfg.moe.shared_experts * hidden
         self.shared_experts = FeedForward(cfg.dim, shared) if shared else None
         gated = shared > 0 and cfg.moe.shared_expert_gate

@@ -15,6 +15,8 @@ accepts bf16 only, so compiled fp32 experts take the loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,15 +25,48 @@ from torch.distributed.tensor import DTensor
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@dataclass(frozen=True)
+class Activation:
+    """The experts' gated activation of the gate h1 and up h3 projections: SwiGLU,
+    silu(h1) · h3, or gpt-oss's clamped SwiGLU, (clamp(h3, ±limit) + 1) · g · sigmoid(alpha · g)
+    with g = clamp(h1, max=limit)."""
+
+    clamped: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+        if not self.clamped:
+            return F.silu(h1) * h3
+        gate = h1.clamp(max=self.limit)
+        up = h3.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+
+
 class GroupedExperts(nn.Module):
     """w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden); expert e computes
-    w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x)), like `FeedForward`'s w2(silu(w1 x) * w3 x)."""
+    w2[e] @ act(w1[e] @ x, w3[e] @ x), like `FeedForward`'s w2(silu(w1 x) * w3 x); with `bias`,
+    b1, b3 (experts, hidden) and b2 (experts, dim) are added after their projections."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, use_grouped_mm: bool = True):
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        *,
+        use_grouped_mm: bool = True,
+        bias: bool = False,
+        activation: Activation = Activation(),
+    ):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+        self.bias, self.activation = bias, activation
         # False: always the per-expert loop (a reference, or a kernel to compare against).
         self.use_grouped_mm = use_grouped_mm
 
@@ -40,9 +75,12 @@ class GroupedExperts(nn.Module):
         dtype = compute_dtype(x)
         x = x.to(dtype)
         w1, w3, w2 = (_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+        biases = (
+            tuple(_local(b).to(dtype) for b in (self.b1, self.b3, self.b2)) if self.bias else None
+        )
         if self.use_grouped_mm and grouped_mm_applies(x, w1, w2):
-            return _grouped(x, w1, w3, w2, tokens_per_expert)
-        return _looped(x, w1, w3, w2, tokens_per_expert)
+            return _grouped(x, w1, w3, w2, tokens_per_expert, biases, self.activation)
+        return _looped(x, w1, w3, w2, tokens_per_expert, biases, self.activation)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -70,23 +108,33 @@ def grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> b
     return dim % alignment == 0 and hidden % alignment == 0 and w1.is_contiguous()
 
 
-def _grouped(x, w1, w3, w2, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def _grouped(x, w1, w3, w2, tokens_per_expert: torch.Tensor, biases, act) -> torch.Tensor:
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
     h1 = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
     h3 = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offsets)
+    if biases is not None:
+        # Each row's expert, without reading the counts on the host.
+        experts = torch.arange(len(tokens_per_expert), device=x.device)
+        rows = torch.repeat_interleave(experts, tokens_per_expert, output_size=x.shape[0])
+        b1, b3, b2 = (b[rows] for b in biases)
+        h1, h3 = h1 + b1, h3 + b3
+    out = torch._grouped_mm(act(h1, h3), w2.transpose(-2, -1), offs=offsets)
+    return out + b2 if biases is not None else out
 
 
 # Eager even inside a compiled block: the loop's bounds are the token counts, data that
 # changes every step, and compiled it would recompile for each new count.
 @torch.compiler.disable
-def _looped(x, w1, w3, w2, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def _looped(x, w1, w3, w2, tokens_per_expert: torch.Tensor, biases, act) -> torch.Tensor:
     # Every expert runs, an empty one on zero rows, so that each gets a gradient (zeros) even
     # when no token reached it.
     outputs, start = [], 0
     for expert, count in enumerate(tokens_per_expert.tolist()):
         rows = x[start : start + count]
-        h = F.silu(rows @ w1[expert].transpose(0, 1)) * (rows @ w3[expert].transpose(0, 1))
-        outputs.append(h @ w2[expert].transpose(0, 1))
+        h1, h3 = rows @ w1[expert].transpose(0, 1), rows @ w3[expert].transpose(0, 1)
+        if biases is not None:
+            h1, h3 = h1 + biases[0][expert], h3 + biases[1][expert]
+        out = act(h1, h3) @ w2[expert].transpose(0, 1)
+        outputs.append(out + biases[2][expert] if biases is not None else out)
         start += count
     return torch.cat(outputs)

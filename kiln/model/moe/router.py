@@ -39,6 +39,7 @@ class Router(nn.Module):
         route_scale: float = 1.0,
         n_groups: int = 1,
         topk_groups: int = 1,
+        bias: bool = False,
     ):
         super().__init__()
         if score_func not in ("softmax_topk", "sigmoid"):
@@ -46,7 +47,7 @@ class Router(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
         self.n_groups, self.topk_groups = n_groups, topk_groups
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = nn.Linear(dim, num_experts, bias=bias)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer(
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False
@@ -56,7 +57,8 @@ class Router(nn.Module):
         """x (tokens, dim) -> the routing of every token."""
         # Routing decisions are sensitive to rounding: the gate runs in fp32 even under autocast.
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
+            bias = self.gate.bias.float() if self.gate.bias is not None else None
+            logits = F.linear(x.float(), self.gate.weight.float(), bias)
         scores = logits.softmax(dim=-1) if self.score_func == "softmax_topk" else logits.sigmoid()
         choice = self._limit_groups(scores.detach() + self.expert_bias)
         indices = choice.topk(self.top_k, dim=-1).indices
