@@ -33,6 +33,24 @@ WINDOWED = (
     "--model.attention_sinks=true",
 )
 
+# gpt-oss's block options (docs/models.md) on top of an MoE model: biases on the attention, the
+# router and the experts, attention sinks, a sliding window on every layer, the clamped SwiGLU
+# (its limit low enough to bind at the debug models' activations, about 0.2 at init) and YaRN
+# without rounded ramp ends. Carried by test_moe_parity.py's tp=2, dp_shard=2 full AC, cp=2 x
+# tp=2 compiled and pp=2 gpipe x dp_shard=2 layouts and test_expert_parallel.py's ep=2 x tp=2.
+GPT_OSS_BLOCK = (
+    "--model.attention_bias=true",
+    "--model.attention_sinks=true",
+    "--model.sliding_window=24",
+    "--model.moe.bias=true",
+    "--model.moe.activation=clamped_swiglu",
+    "--model.moe.swiglu_limit=0.3",
+    "--model.rope_scaling=yarn",
+    "--model.rope_scaling_factor=4.0",
+    "--model.rope_original_max_seq_len=32",
+    "--model.rope_yarn_truncate=false",
+)
+
 # Every pipeline schedule, with the virtual stages per rank it runs at pp=2 and pp=4.
 VIRTUAL_STAGES = {
     "gpipe": 1,

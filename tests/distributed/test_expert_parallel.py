@@ -22,7 +22,14 @@ from kiln.checkpoint import load_checkpoint, read_model_config, resolve_checkpoi
 from kiln.checkpoint.hf_convert import kiln_to_hf
 from kiln.model import build_model, materialize
 from tests.distributed.expert_dispatch_worker import check_dispatch
-from tests.distributed.parity import SAVE, STEPS, assert_parity, copy_to_resume, records
+from tests.distributed.parity import (
+    GPT_OSS_BLOCK,
+    SAVE,
+    STEPS,
+    assert_parity,
+    copy_to_resume,
+    records,
+)
 from tests.distributed.test_moe_parity import moe_mismatches
 
 SOFTMAX = (
@@ -70,10 +77,12 @@ LAYOUTS = {
         SIGMOID,
         WHOLE_BATCH,
     ),
-    "ep=2 x tp=2, Qwen3-MoE-shaped": (
+    # Qwen3-MoE's attention with gpt-oss's block options on top (parity.py's GPT_OSS_BLOCK):
+    # the experts' biases split over the ep ranks with their weights.
+    "ep=2 x tp=2, Qwen3-MoE-shaped, gpt-oss block": (
         4,
         ["--distributed.ep=2", "--distributed.tp=2", "--train.batch_size=4"],
-        (*SOFTMAX, *QWEN3_ATTENTION),
+        (*SOFTMAX, *QWEN3_ATTENTION, *GPT_OSS_BLOCK),
         WHOLE_BATCH,
     ),
     "ep=2 x pp=2 1f1b": (

@@ -17,6 +17,7 @@ micro-batch is 4 consecutive sequences, as the loader gives data rank r slice r 
 import pytest
 
 from tests.distributed.parity import (
+    GPT_OSS_BLOCK,
     TOLERANCE,
     VIRTUAL_STAGES,
     assert_parity,
@@ -50,16 +51,23 @@ LAYOUTS = {
     ),
     # Each tp rank routes its part of every sequence; the MoE weights' gradients are summed
     # over tp by FSDP over the tp ranks.
-    "tp=2": (2, ["--distributed.tp=2", "--train.batch_size=8"], WHOLE_BATCH),
+    # gpt-oss's block (parity.py's GPT_OSS_BLOCK): sinks and attention biases split with the
+    # heads, the experts' biases and clamped SwiGLU on each tp rank's tokens.
+    "tp=2, gpt-oss block": (
+        2,
+        ["--distributed.tp=2", "--train.batch_size=8", *GPT_OSS_BLOCK],
+        (*WHOLE_BATCH, *GPT_OSS_BLOCK),
+    ),
     "tp=2 x dp_shard=2": (4, ["--distributed.tp=2", "--train.batch_size=4"], WHOLE_BATCH),
-    "dp_shard=2, full AC": (
+    "dp_shard=2, full AC, gpt-oss block": (
         2,
         [
             "--distributed.dp_shard=2",
             "--train.batch_size=4",
             "--train.activation_checkpointing=full",
+            *GPT_OSS_BLOCK,
         ],
-        WHOLE_BATCH,
+        (*WHOLE_BATCH, *GPT_OSS_BLOCK),
     ),
     # Compiled blocks under context, tensor + sequence parallel and FSDP (over the cp ranks)
     # together, a dense block and an MoE block: one cold compile per kind of block covers every
@@ -71,8 +79,9 @@ LAYOUTS = {
             "--distributed.tp=2",
             "--train.batch_size=8",
             "--train.compile=true",
+            *GPT_OSS_BLOCK,
         ],
-        WHOLE_BATCH,
+        (*WHOLE_BATCH, *GPT_OSS_BLOCK),
     ),
     **{
         f"pp=2 {name}": (
@@ -84,7 +93,7 @@ LAYOUTS = {
     },
     # One micro-batch per pipeline pass (gpipe only): each rank's 2 sequences of an
     # accumulation step, together the reference's micro-batch of 4.
-    "pp=2 gpipe x dp_shard=2": (
+    "pp=2 gpipe x dp_shard=2, gpt-oss block": (
         4,
         [
             "--distributed.pp=2",
@@ -93,8 +102,9 @@ LAYOUTS = {
             "--train.batch_size=2",
             "--train.grad_accum_steps=2",
             *L4,
+            *GPT_OSS_BLOCK,
         ],
-        (*FOUR_BY_TWO, *L4),
+        (*FOUR_BY_TWO, *L4, *GPT_OSS_BLOCK),
     ),
     "dp_shard=2, selective AC": (
         2,
