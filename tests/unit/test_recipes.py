@@ -34,6 +34,8 @@ RECIPES = {
     "qwen3_8b_16gpu_continue": (16, {"dp_shard": 16, "tp": 1}),
     # DeepSeek-V3 family (docs/models.md)
     "deepseek_v2_lite_16gpu_ep8": (16, {"dp_shard": 2, "ep": 8, "tp": 1}),
+    # gpt-oss (docs/models.md)
+    "gpt_oss_20b_16gpu_continue": (16, {"dp_shard": 2, "ep": 8, "tp": 1}),
 }
 # One process: smoke runs and the demo, with the heads `kiln train`'s start-up line gives.
 SMALL_RECIPES = {
