@@ -105,10 +105,10 @@ def causal_mask(
 
         # B and H None: broadcast over the batch and the heads.
         return _compiled(create_block_mask)(mask_mod, None, None, queries, keys, device=device)
-    behind = torch.arange(start, start + queries, device=device)[:, None]
-    behind = behind - torch.arange(keys, device=device)[None, :]
-    visible = (behind >= 0) & (behind < window) if window else behind >= 0
-    return visible[None, None]
+    # Key j is visible to query i when i + start - window < j <= i + start: two diagonals of a
+    # boolean matrix, with no (queries × keys) matrix of position differences on the way.
+    visible = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(start)
+    return (visible.triu(start - window + 1) if window else visible)[None, None]
 
 
 def masked_attention(
