@@ -37,6 +37,9 @@ SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "none"]
 DataSource = Literal["demo", "prepared", "hf"]
 MixtureSource = Literal["prepared", "hf"]  # a dataset of a mixture: not the demo corpus
 GradReduce = Literal["per_micro_batch", "per_step"]
+# Context parallel's exchange: every layer all-gathers keys and values, or re-splits queries,
+# keys and values from the sequence to the heads (all-to-all, DeepSpeed-Ulysses).
+CpMode = Literal["all_gather", "all_to_all"]
 # Pipeline schedules that run one stage per rank, and those that run several (virtual stages).
 SingleStageSchedule = Literal["gpipe", "1f1b"]
 MultiStageSchedule = Literal["interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
@@ -245,6 +248,7 @@ class DistributedConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_mode: CpMode = "all_gather"
     ep: int = 1
     grad_reduce: GradReduce = "per_micro_batch"
     # FSDP: free each block's gathered parameters after its forward (True) or keep them until

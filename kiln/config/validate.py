@@ -281,6 +281,15 @@ def _context_parallel_problems(cfg: JobConfig) -> list[str]:
             f"by distributed.tp ({tp}) for sequence parallel; use a train.seq_len divisible by "
             f"{math.lcm(2 * cp, cp * tp)}"
         )
+    m = cfg.model
+    heads = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads}
+    split = [f"{k} / tp = {v // tp}" for k, v in heads.items() if v % tp == 0 and (v // tp) % cp]
+    if cfg.distributed.cp_mode == "all_to_all" and split:
+        p.append(
+            f"distributed.cp_mode = 'all_to_all' gives each of the {cp} cp ranks 1/cp of every "
+            f"tp rank's heads, but {' and '.join(split)} do not divide by distributed.cp = {cp}; "
+            f"use cp_mode = 'all_gather', or a cp that divides them"
+        )
     return p
 
 

@@ -9,7 +9,7 @@ from kiln.config.sections import JobConfig
 from kiln.model import build_model
 from kiln.model.registry import family_of
 from kiln.parallel.float8 import float8_layer_plan
-from kiln.plan.activations import gathered_kv_bytes
+from kiln.plan.activations import cp_exchange_bytes, gathered_kv_bytes
 
 
 def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
@@ -39,17 +39,26 @@ def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
 
 
 def context_parallel_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
-    """How context parallel splits each sequence and what its K/V all-gathers move."""
+    """How context parallel splits each sequence and what its exchange moves and keeps."""
     cp, seq_len = layout["cp"], cfg.train.seq_len
+    split = (
+        f"each rank holds {seq_len // cp:,} of every {seq_len:,} tokens (chunks "
+        f"{seq_len // (2 * cp):,} long, head-tail); per layer and micro-batch it "
+    )
+    sent = cp_exchange_bytes(cfg, layout) / 2**20
+    if cfg.distributed.cp_mode == "all_to_all":
+        return split + (
+            f"sends {sent:,.1f} MiB in all-to-alls (queries, keys and values to 1/cp of the "
+            f"heads over the whole sequence, the output back; as much again in backward) and "
+            f"keeps nothing beyond its own tokens' activations"
+        )
     gathered = gathered_kv_bytes(cfg, layout)
     kept = (
         "a checkpointed layer gathers them again when it is recomputed"
         if cfg.train.activation_checkpointing == "full"
         else "a layer not checkpointed keeps them for its backward"
     )
-    return (
-        f"each rank holds {seq_len // cp:,} of every {seq_len:,} tokens (chunks {seq_len // (2 * cp):,} "
-        f"long, head-tail); per layer and micro-batch it all-gathers {gathered * (cp - 1) / cp / 2**20:,.1f} MiB "
-        f"of keys and values, the whole sequence's {gathered / 2**20:,.1f} MiB (reduce-scattered back "
-        f"in backward); {kept}"
+    return split + (
+        f"all-gathers {sent:,.1f} MiB of keys and values, the whole sequence's "
+        f"{gathered / 2**20:,.1f} MiB (reduce-scattered back in backward); {kept}"
     )

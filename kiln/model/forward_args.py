@@ -38,8 +38,17 @@ class LossScale:
 
 class SequenceGathers(Protocol):
     """Context parallel's collectives (kiln/parallel/context_parallel.py), as a model uses them:
-    the other cp ranks' keys and values, and their positions and document ids for the mask."""
+    the exchange before attention and its inverse after, the heads a rank attends with, and the
+    positions and document ids of the queries and keys for the mask."""
 
-    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def exchange(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def restore(self, out: torch.Tensor) -> torch.Tensor: ...
+
+    def own_heads(self, per_head: torch.Tensor) -> torch.Tensor: ...
 
     def gather_sequence(self, values: torch.Tensor) -> torch.Tensor: ...
+
+    def query_sequence(self, values: torch.Tensor) -> torch.Tensor: ...

@@ -6,10 +6,16 @@ a causal mask a query's work grows with its position, so pairing an early chunk 
 gives every rank the same work (head–tail balancing, as Llama 3's training did).
 
 Everything per token (embedding, feed-forward, norms, loss) then runs on the local tokens only.
-Attention needs every key: each layer all-gathers its post-RoPE keys and values over cp (one
-collective for both; autograd turns it into a reduce-scatter in backward) and attends with its
-local queries under a mask built from global positions and document ids. The model applies RoPE
-at the global positions `shard_batch` adds to its inputs, and gathers those positions and the
+Attention needs every key, in one of two ways (`distributed.cp_mode`):
+
+- `all_gather`: each layer all-gathers its post-RoPE keys and values over cp (one collective for
+  both; autograd turns it into a reduce-scatter in backward) and attends with its local queries.
+- `all_to_all` (DeepSpeed-Ulysses): each layer re-splits its queries, keys and values from
+  the sequence to the heads (an all-to-all each), attends over the whole sequence with 1/cp of
+  the heads, and re-splits the output back to the sequence.
+
+Either way the mask is built from global positions and document ids. The model applies RoPE at
+the global positions `shard_batch` adds to its inputs, and gathers those positions and the
 document ids once per forward to build the mask for every layer. The training step passes a
 `ContextParallel` to the model's forward (`context_parallel=`), which hands it to its layers.
 
@@ -25,6 +31,7 @@ from torch import nn
 from torch.distributed import _functional_collectives
 from torch.distributed.device_mesh import DeviceMesh
 
+from kiln.config.sections import CpMode
 from kiln.model.parallel_plan import ParallelPlan, blocks_of
 
 # The differentiable all-gather along dim 0: torch 2.13 names it `all_gather_single_autograd`,
@@ -64,8 +71,8 @@ class ContextParallel:
     """This rank's place in its cp group: what it keeps of a batch, and the gathers the model's
     attention calls."""
 
-    def __init__(self, cp_mesh: DeviceMesh):
-        self.group = cp_mesh.get_group()
+    def __init__(self, cp_mesh: DeviceMesh, *, mode: CpMode = "all_gather"):
+        self.group, self.mode = cp_mesh.get_group(), mode
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
     def shard_batch(
@@ -81,6 +88,49 @@ class ContextParallel:
         local = {name: value[:, positions] for name, value in kwargs.items()}
         local["positions"] = positions.expand(batch, -1)
         return inputs[:, positions], labels[:, positions], local
+
+    def exchange(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values (batch, heads, local seq, width) as attention takes them:
+        the local queries and the whole sequences' keys and values (all_gather), or 1/cp of the
+        heads of all three over the whole sequences (all_to_all), in rank order either way."""
+        if self.mode == "all_gather":
+            return (q, *self.gather_kv(k, v))
+        return tuple(self._to_heads(t) for t in (q, k, v))
+
+    def restore(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output back to this rank's tokens and every head (all_to_all)."""
+        return out if self.mode == "all_gather" else self._to_sequence(out)
+
+    def own_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """The entries of a per-head tensor (attention sinks) for the heads this rank attends."""
+        if self.mode == "all_gather":
+            return per_head
+        return per_head.chunk(self.size)[self.rank]
+
+    def query_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token integers of the queries this rank attends with, in the order of their
+        rows: its own tokens (all_gather) or the whole sequences' (all_to_all)."""
+        return values if self.mode == "all_gather" else self.gather_sequence(values)
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, local seq, width) -> (batch, heads / cp, seq, width): head group r to
+        rank r, every rank's tokens in rank order (differentiable: the backward is the inverse
+        all-to-all)."""
+        batch, heads, local, width = x.shape
+        parts = x.reshape(batch, self.size, heads // self.size, local, width).movedim(1, 0)
+        received = _all_to_all(parts.contiguous(), self.group)  # [r]: rank r's tokens
+        return received.movedim(0, 2).reshape(batch, heads // self.size, self.size * local, width)
+
+    def _to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of `_to_heads`: (batch, heads / cp, seq, width) -> (batch, heads, local
+        seq, width)."""
+        batch, group_heads, seq, width = x.shape
+        local = seq // self.size
+        parts = x.reshape(batch, group_heads, self.size, local, width).movedim(2, 0)
+        received = _all_to_all(parts.contiguous(), self.group)  # [r]: head group r
+        return received.movedim(0, 1).reshape(batch, self.size * group_heads, local, width)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (batch, heads, local seq, width) of the whole sequences: every cp
@@ -98,6 +148,12 @@ class ContextParallel:
         parts = [torch.empty_like(values) for _ in range(self.size)]
         dist.all_gather(parts, values.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Slice r of dim 0 to rank r, rank r's slice back into place r; differentiable."""
+    out = _functional_collectives.all_to_all_single_autograd(x, None, None, group)
+    return _ContiguousGradient.apply(out)
 
 
 def check_context_parallel(model: nn.Module, plan: ParallelPlan) -> None:

@@ -162,6 +162,33 @@ def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
     return 2 * sequences * t.seq_len * width / degrees["tp"]
 
 
+def cp_held_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Bytes one attention layer keeps for its backward beyond its own tokens' activations, per
+    micro-batch, for context parallel's exchange (distributed.cp_mode): `all_gather` keeps the
+    other cp ranks' keys and values; `all_to_all` nothing more: the queries, keys, values and
+    output it re-split over the heads stand in for the local ones attention would keep (as
+    many numbers: 1/cp of the heads over all of the sequence)."""
+    if degrees["cp"] == 1 or cfg.distributed.cp_mode == "all_to_all":
+        return 0.0
+    return gathered_kv_bytes(cfg, degrees) * (degrees["cp"] - 1) / degrees["cp"]
+
+
+def cp_exchange_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Bytes one attention layer's context-parallel exchange sends from each rank, per
+    micro-batch and pass (bf16; as many again come back in the backward): the all-gather of
+    keys and values ((cp − 1)/cp of the whole sequences'), or the all-to-alls of the queries,
+    keys, values and output ((cp − 1)/cp of the rank's own)."""
+    cp = degrees["cp"]
+    if cp == 1:
+        return 0.0
+    if cfg.distributed.cp_mode == "all_gather":
+        return gathered_kv_bytes(cfg, degrees) * (cp - 1) / cp
+    a = model_facts.attention(cfg.model)
+    width = (a.query_width + a.key_width + a.value_width + a.output_width) / degrees["tp"]
+    sequences = cfg.train.batch_size / pipeline_microbatches(cfg, degrees)
+    return 2 * sequences * cfg.train.seq_len / cp * width * (cp - 1) / cp
+
+
 def pipeline_microbatches(cfg: JobConfig, degrees: dict[str, int]) -> int:
     """Micro-batches one pass is split into: the pipeline's, or the whole batch at once."""
     return microbatches(cfg.distributed, cfg.train.batch_size) if degrees["pp"] > 1 else 1
@@ -202,8 +229,8 @@ def activation_bytes(
     m, tp, sp = cfg.model, degrees["tp"], impl.sequence_parallel
     tokens = microbatch_tokens(cfg, degrees)
     in_flight = in_flight_microbatches(cfg.distributed, pipeline_microbatches(cfg, degrees))
-    # The other cp ranks' keys and values, kept for the backward.
-    gathered = gathered_kv_bytes(cfg, degrees) * (degrees["cp"] - 1) / degrees["cp"]
+    # Under cp_mode all_gather, the other cp ranks' keys and values kept for the backward.
+    gathered = cp_held_bytes(cfg, degrees)
     dense = layer_bytes_per_token(m, moe=False, tp=tp, sp=sp) * tokens + gathered
     moe = layer_bytes_per_token(m, moe=True, tp=tp, sp=sp) * tokens + gathered
     checkpointed = CHECKPOINTED_LAYER_BYTES * m.dim * tokens / (tp if sp else 1)

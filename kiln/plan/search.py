@@ -1,5 +1,6 @@
-"""`kiln plan`'s search: every layout the validator accepts for the GPUs, every activation
-checkpointing mode and micro-batch size; drop what does not fit, rank the rest by tokens/s.
+"""`kiln plan`'s search: every layout the validator accepts for the GPUs (with context parallel,
+each of its exchanges: all-gather or all-to-all), every activation checkpointing mode and
+micro-batch size; drop what does not fit, rank the rest by tokens/s.
 
 A layout is a factorization of the GPU count into dp_replicate × dp_shard × cp × tp × pp × ep
 (ep only for MoE models). Its validity is kiln's own validator's (kiln/config/validate.py), asked
@@ -11,9 +12,11 @@ fit; without a pipeline only the largest that fits is timed (it is the fastest).
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field, replace
+from typing import get_args
 
-from kiln.config.sections import JobConfig
+from kiln.config.sections import CpMode, JobConfig
 from kiln.config.validate import collect_problems
 from kiln.errors import ConfigError
 from kiln.plan.hardware import Cluster
@@ -25,6 +28,8 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # Interleaved 1F1B with two stages per rank: the schedule with a smaller bubble that compile
 # and every layer count the validator accepts allow; 1F1B otherwise.
 PP_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))
+# Context parallel's exchanges, the default first (docs/long_context.md).
+CP_MODES: tuple[str, ...] = get_args(CpMode)
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,9 @@ class Candidate:
     @property
     def key(self) -> str:
         shown = {k: v for k, v in self.degrees.items() if v > 1} or {"single GPU": 1}
-        return " × ".join(f"{k}={v}" for k, v in shown.items())
+        key = " × ".join(f"{k}={v}" for k, v in shown.items())
+        mode = self.cfg.distributed.cp_mode
+        return key if self.degrees["cp"] == 1 else f"{key} ({mode.replace('_', '-')})"
 
 
 @dataclass
@@ -57,7 +64,14 @@ def distinct(ranked: list[Candidate], top: int) -> list[Candidate]:
     shown, seen = [], set()
     for candidate in ranked:
         d = candidate.degrees
-        key = (d["tp"], d["pp"], d["cp"], d["ep"], candidate.cfg.train.activation_checkpointing)
+        key = (
+            d["tp"],
+            d["pp"],
+            d["cp"],
+            d["ep"],
+            candidate.cfg.train.activation_checkpointing,
+            candidate.cfg.distributed.cp_mode,
+        )
         if key not in seen:
             seen.add(key)
             shown.append(candidate)
@@ -87,13 +101,20 @@ def factorizations(gpus: int, *, moe_experts: int = 0) -> list[dict[str, int]]:
     return out
 
 
-def layout_config(base: JobConfig, degrees: dict[str, int], schedule: tuple[str, int]) -> JobConfig:
-    """`base` on `degrees` with a pipeline `schedule` (name, virtual stages); the sections the
-    layout does not touch are shared with `base`, not copied."""
+def layout_config(
+    base: JobConfig,
+    degrees: dict[str, int],
+    schedule: tuple[str, int],
+    cp_mode: CpMode = "all_gather",
+) -> JobConfig:
+    """`base` on `degrees` with a pipeline `schedule` (name, virtual stages) and context
+    parallel's `cp_mode`; the sections the layout does not touch are shared with `base`, not
+    copied."""
     name, virtual = schedule if degrees["pp"] > 1 else ("1f1b", 1)
     dist = replace(
         base.distributed,
         **degrees,
+        cp_mode=cp_mode,
         pp_schedule=name,
         pp_virtual_stages=virtual,
         pp_microbatches=0,
@@ -150,8 +171,9 @@ def search(
     smallest: Candidate | None = None
     for degrees in factorizations(cluster.gpus, moe_experts=max(base.model.moe.num_experts, 0)):
         schedules = PP_SCHEDULES if degrees["pp"] > 1 else PP_SCHEDULES[:1]
-        for schedule in schedules:
-            layout = layout_config(base, degrees, schedule)
+        cp_modes = CP_MODES if degrees["cp"] > 1 else CP_MODES[:1]
+        for schedule, cp_mode in itertools.product(schedules, cp_modes):
+            layout = layout_config(base, degrees, schedule, cp_mode)
             if collect_problems(layout, cluster.gpus):
                 continue
             layouts += 1

@@ -40,6 +40,7 @@ from kiln.parallel.pipeline_split import bubble_fraction
 from kiln.plan import model_facts
 from kiln.plan.activations import (
     checkpointed_layers,
+    cp_exchange_bytes,
     is_checkpointed,
     microbatch_tokens,
     pipeline_microbatches,
@@ -189,15 +190,13 @@ def micro_batches_per_step(cfg: JobConfig, degrees: dict[str, int]) -> int:
 
 
 def cp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
-    """Each layer all-gathers the keys and values (bf16; MLA's expanded per head) of its
-    micro-batch's sequences over cp, each pass."""
+    """Each layer exchanges over cp, each pass: the keys and values (bf16; MLA's expanded per
+    head) of its micro-batch's sequences (all_gather), or its queries, keys, values and output
+    re-split between the sequence and the heads (all_to_all): `cp_exchange_bytes`."""
     if degrees["cp"] == 1:
         return 0.0
-    m = cfg.model
-    layers = model_facts.stage_blocks(m, degrees["pp"])
-    kv = model_facts.attention(m).gathered_width / degrees["tp"]
-    whole = 2 * kv * microbatch_tokens(cfg, degrees) * degrees["cp"]
-    size = whole * ring_share(degrees["cp"]) * layers * layer_passes(cfg, degrees)
+    layers = model_facts.stage_blocks(cfg.model, degrees["pp"])
+    size = cp_exchange_bytes(cfg, degrees) * layers * layer_passes(cfg, degrees)
     return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "cp"))
 
 

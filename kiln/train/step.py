@@ -125,7 +125,8 @@ class TrainStep:
         )
         # Context parallel: this rank keeps its chunks of every sequence it reads.
         cp_mesh = parallel.cp_mesh()
-        self.context = ContextParallel(cp_mesh) if cp_mesh is not None else None
+        mode = cfg.distributed.cp_mode
+        self.context = ContextParallel(cp_mesh, mode=mode) if cp_mesh is not None else None
         # A model with losses of its own (multi-token prediction) takes the labels and the
         # step's scale of token-loss sums in training forwards (docs/models.md).
         self.model_adds_losses = getattr(model_parts[-1], "adds_losses", False)

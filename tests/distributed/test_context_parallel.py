@@ -24,7 +24,12 @@ LAYOUTS = {
     # Saves checkpoints: test_checkpoint_from_cp_resumes_in_one_process continues them.
     "cp=2": (2, ["--distributed.cp=2", "--train.batch_size=8", SAVE]),
     "cp=4": (4, ["--distributed.cp=4", "--train.batch_size=8"]),
-    "cp=2 x dp_shard=2, Qwen3-shaped": (4, ["--distributed.cp=2", "--train.batch_size=4"]),
+    # All-to-all over heads (DeepSpeed-Ulysses): 2 of the 4 query heads and 1 of the 2 KV heads
+    # per rank, over the whole sequence.
+    "cp=2 all-to-all x dp_shard=2, Qwen3-shaped": (
+        4,
+        ["--distributed.cp=2", "--distributed.cp_mode=all_to_all", "--train.batch_size=4"],
+    ),
     "cp=2 x tp=2, sliding window and sinks": (
         4,
         ["--distributed.cp=2", "--distributed.tp=2", "--train.batch_size=8"],
@@ -34,7 +39,7 @@ LAYOUTS = {
 MASKS = {"causal": (), "document mask": ("--data.document_mask=true",)}
 # The model of a layout where it is not the debug one: Qwen3-shaped (test_parity.py's QWEN3).
 MODELS = {
-    "cp=2 x dp_shard=2, Qwen3-shaped": QWEN3,
+    "cp=2 all-to-all x dp_shard=2, Qwen3-shaped": QWEN3,
     # A window crossing the chunks a rank holds, sinks split over the tp ranks.
     "cp=2 x tp=2, sliding window and sinks": WINDOWED,
 }

@@ -89,7 +89,7 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         if context_parallel is not None:
-            k, v = context_parallel.gather_kv(k, v)
+            q, k, v = context_parallel.exchange(q, k, v)
         if mask is not None:
             out = masked_attention(q, k, v, mask, scale=self.scale)
         else:
@@ -101,4 +101,6 @@ class MultiHeadLatentAttention(nn.Module):
                 is_causal=start == 0,
                 scale=self.scale,
             )
+        if context_parallel is not None:
+            out = context_parallel.restore(out)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -58,8 +58,8 @@ class Attention(nn.Module):
         mask: DocumentMask | None = None,
         context_parallel: SequenceGathers | None = None,
     ) -> torch.Tensor:
-        """`context_parallel`: gathers the keys and values of the sequence's other parts, held
-        by the other cp ranks (kiln/parallel/context_parallel.py)."""
+        """`context_parallel`: exchanges with the cp ranks that hold the sequence's other parts
+        (kiln/parallel/context_parallel.py)."""
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
         if cos.ndim == 2:
@@ -75,9 +75,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        if context_parallel is not None:
-            k, v = context_parallel.gather_kv(k, v)
         sinks = self.sinks.local() if self.sinks is not None else None
+        if context_parallel is not None:
+            q, k, v = context_parallel.exchange(q, k, v)
+            sinks = context_parallel.own_heads(sinks) if sinks is not None else None
         if mask is None and (self.window or sinks is not None):
             # No mask from the data: the window's (or plain causal, for the sinks) by shape.
             keys = k.shape[2]
@@ -93,4 +94,6 @@ class Attention(nn.Module):
                 is_causal=start == 0,
                 enable_gqa=True,
             )
+        if context_parallel is not None:
+            out = context_parallel.restore(out)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
