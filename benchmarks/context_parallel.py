@@ -34,14 +34,16 @@ BYTES = {"float": 4, "long": 8, "int": 4, "bool": 1, "c10::BFloat16": 2}  # prof
 
 def collective_bytes(prof) -> dict[str, list[int]]:
     """What the step's collectives moved, from the profiler's recorded input shapes: op -> [calls,
-    bytes of the whole tensor (all-gather: gathered output; reduce-scatter: full input)]. The
-    functional ops are kiln's K/V gather (autograd's reduce-scatter in backward); the c10d
-    `_base_` ops are FSDP's (their nested coalesced calls would count the K/V twice)."""
+    bytes of the whole tensor (all-gather: gathered output; reduce-scatter, all-to-all: full
+    input)]. The functional ops are kiln's K/V gather (autograd's reduce-scatter in backward) or
+    its all-to-alls (forward and backward alike); the c10d `_base_` ops are FSDP's (their nested
+    coalesced calls would count the K/V twice)."""
     # Which argument holds the whole tensor: (output, input, ...) for c10d's ops; the functional
     # all-gather's input is one rank's part, (input, group_size, group_name).
     whole = {
         "_c10d_functional::all_gather_into_tensor": 0,
         "_c10d_functional::reduce_scatter_tensor": 0,
+        "_c10d_functional::all_to_all_single": 0,
         "c10d::_allgather_base_": 0,
         "c10d::_reduce_scatter_base_": 1,
     }
@@ -55,7 +57,7 @@ def collective_bytes(prof) -> dict[str, list[int]]:
     return out
 
 
-def worker(seq: int, steps: int) -> None:
+def worker(seq: int, steps: int, mode: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.autograd.graph import saved_tensors_hooks
@@ -73,11 +75,12 @@ def worker(seq: int, steps: int) -> None:
     overrides += (
         f"--train.mixed_precision=fp32 --distributed.cp={cp} --distributed.dp_shard=1".split()
     )
+    overrides.append(f"--distributed.cp_mode={mode}")
     cfg = config_from_dict({}, overrides, world_size=cp)
     parallel = init_parallel(cfg.distributed, torch.device("cpu"))
     model = apply_parallelism(build_model(cfg.model), cfg, parallel)[0]
     materialize(model, device="cpu", seed=0)
-    context = ContextParallel(parallel.cp_mesh()) if cp > 1 else None
+    context = ContextParallel(parallel.cp_mesh(), mode=mode) if cp > 1 else None
 
     # The same sequence on every rank (cp ranks read the same batch), cut as _prepare cuts it.
     tokens = torch.randint(0, cfg.model.vocab_size, (1, seq + 1), generator=torch.Generator())
@@ -87,13 +90,18 @@ def worker(seq: int, steps: int) -> None:
     valid = count_valid(labels) * cp  # what sum_over(valid, data_group) gives
 
     def step() -> None:
-        loss = token_loss_sum(model(inputs, **kwargs), labels) / valid
+        # As TrainStep's forward_options pass it: without it the layers attend locally.
+        logits = model(inputs, **kwargs, context_parallel=context)
+        loss = token_loss_sum(logits, labels) / valid
         loss.backward()
         model.zero_grad(set_to_none=True)
 
     # Saved tensors, one count per storage; weights (leaves needing grad, or views of them: FSDP's
     # unsharded parameters among them) are model state, not activations.
     saved: dict[int, tuple[int, str]] = {}
+    m = cfg.model
+    # all_gather: every head, the local queries; all_to_all: 1/cp of the heads, every query.
+    heads_split, queries = (1, seq // cp) if mode == "all_gather" else (cp, seq)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
@@ -101,12 +109,14 @@ def worker(seq: int, steps: int) -> None:
             return t
         # The gathered K/V reach SDPA as AsyncCollectiveTensor views: count their buffer.
         storage = getattr(t, "elem", t).untyped_storage()
-        # (batch, 1, local seq, seq): SDPA's float copy of kiln's bool mask; (batch, kv heads,
-        # seq, head_dim): a view of a layer's gathered K/V (cp > 1 only: cp=1 has no mask).
-        shape = tuple(t.shape[2:]) if cp > 1 and t.dim() == 4 else ()
-        kind = {(seq // cp, seq): "mask", (seq, cfg.model.resolved_head_dim): "kv"}.get(
-            shape, "other"
-        )
+        # What SDPA keeps (cp > 1 only: cp=1 has no mask), (batch, ...): its float copy of kiln's
+        # bool mask, (1, queries, seq); keys and values over the whole sequence (a view of the
+        # gathered buffer, or the re-split K/V of all-to-all); queries and output.
+        kind = {
+            (1, queries, seq): "mask",
+            (m.n_kv_heads // heads_split, seq, m.resolved_head_dim): "kv",
+            (m.n_heads // heads_split, queries, m.resolved_head_dim): "q_out",
+        }.get(tuple(t.shape[1:]) if cp > 1 and t.dim() == 4 else (), "other")
         saved[storage.data_ptr()] = (storage.nbytes(), kind)
         return t
 
@@ -137,7 +147,9 @@ def worker(seq: int, steps: int) -> None:
     figures = {
         "step_s": statistics.median(times[1:]),
         "cpu_s": statistics.median(cpu[1:]),
-        "saved": {k: sum(n for n, kind in saved.values() if kind == k) for k in ("kv", "mask")},
+        "saved": {
+            k: sum(n for n, kind in saved.values() if kind == k) for k in ("kv", "mask", "q_out")
+        },
         "saved_total": sum(n for n, _ in saved.values()),
         "rss_before": rss_before,
         "peak_rss": peak_rss,
@@ -154,17 +166,21 @@ def worker(seq: int, steps: int) -> None:
         dist.destroy_process_group()
 
 
-def run(cp: int, seq: int, steps: int) -> list[dict]:
+def run(cp: int, seq: int, steps: int, mode: str) -> list[dict]:
     """One layout: cp=1 one process x 2 threads, else torchrun, cp ranks x 1 thread."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
     env = {**os.environ, "OMP_NUM_THREADS": "2" if cp == 1 else "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, *(launcher if cp > 1 else []), __file__, "worker"]
-    args = [*command, f"--seq={seq}", f"--steps={steps}"]
+    args = [*command, f"--seq={seq}", f"--steps={steps}", f"--cp-modes={mode}"]
     done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("FIGURES ")]
+    if not lines:
+        sys.exit(f"cp={cp} {mode} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     if done.returncode != 0:
-        sys.exit(f"cp={cp} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("FIGURES "))
-    return json.loads(line.removeprefix("FIGURES "))
+        # Seen once in a few dozen cp=4 runs: a rank aborts in gloo's teardown ("terminate
+        # called without an active exception") after every rank's figures were gathered.
+        print(f"cp={cp} {mode}: exit {done.returncode} after its figures", file=sys.stderr)
+    return json.loads(lines[0].removeprefix("FIGURES "))
 
 
 def report(results: dict[int, list[dict]], seq: int) -> None:
@@ -225,24 +241,127 @@ def report(results: dict[int, list[dict]], seq: int) -> None:
         print(f"cp={cp} per rank (step s, peak RSS MiB, after the measured step): {per_rank}")
 
 
+def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
+    """all_to_all against all_gather at each cp > 1: time, memory and bytes per layer, side by
+    side, and what the planner (kiln.plan.activations) assumes for the same shapes."""
+    from kiln.config import config_from_dict
+    from kiln.plan.activations import cp_exchange_bytes, cp_held_bytes
+
+    mib, modes = 2**20, ("all_gather", "all_to_all")
+    cps = sorted({cp for cp, mode in results if cp > 1 and (cp, modes[1]) in results})
+    print(f"\n### seq_len {seq}: cp_mode all_to_all against all_gather (fp32, per rank)\n")
+    print(
+        "| cp | mode | step s (slowest rank) | CPU s/step, all ranks | peak RSS MiB (max rank) | "
+        "RSS growth to peak MiB | saved MiB (max rank) | mask | saved without the mask | "
+        "K/V held | queries + output | rest |"
+    )
+    print("|" + "---|" * 12)
+    for cp in cps:
+        rows = {}
+        for mode in modes:
+            ranks = results[cp, mode]
+            top = max(ranks, key=lambda r: r["saved_total"])
+            kv, mask, q_out = (top["saved"][k] for k in ("kv", "mask", "q_out"))
+            total = top["saved_total"]
+            rows[mode] = [
+                max(r["step_s"] for r in ranks),
+                sum(r["cpu_s"] for r in ranks),
+                max(r["peak_rss"] for r in ranks),
+                max(r["peak_rss"] - r["rss_before"] for r in ranks),
+                total,
+                mask,
+                total - mask,
+                kv,
+                q_out,
+                total - mask - kv - q_out,
+            ]
+        ratio = [
+            a / g if g else float("nan")
+            for a, g in zip(rows[modes[1]], rows[modes[0]], strict=True)
+        ]
+        for label, row in [*rows.items(), ("all_to_all / all_gather", ratio)]:
+            cells = (
+                [f"{x:.2f}" for x in row]
+                if label not in modes
+                else ([f"{row[0]:.2f}", f"{row[1]:.1f}"] + [f"{x / mib:.0f}" for x in row[2:]])
+            )
+            print(f"| {cp} | {label} | " + " | ".join(cells) + " |")
+    print(
+        "\n| cp | mode | exchange op: calls/step | whole tensors MiB/layer/pass | of it to other "
+        "ranks | planner cp_exchange_bytes x 2 (fp32) | measured / planner | K/V held MiB/layer "
+        "| of it beyond the own tokens' | planner cp_held_bytes x 2 | positions all-gather "
+        "calls, B |"
+    )
+    print("|" + "---|" * 11)
+    for cp in cps:
+        overrides = [f"--train.seq_len={seq}", "--train.batch_size=1", f"--distributed.cp={cp}"]
+        for mode in modes:
+            ranks = results[cp, mode]
+            col = ranks[0]["collectives"]
+            assert all(r["collectives"] == col for r in ranks), "ranks moved different bytes"
+            cfg = config_from_dict(
+                {},
+                [*overrides, "--distributed.dp_shard=1", f"--distributed.cp_mode={mode}"],
+                world_size=cp,
+            )
+            layers, degrees = cfg.model.n_layers, {"cp": cp, "tp": 1, "pp": 1}
+            if mode == "all_gather":
+                calls, whole = col["_c10d_functional::all_gather_into_tensor"]
+                back = col["_c10d_functional::reduce_scatter_tensor"]
+                assert back == [calls, whole], "the backward's reduce-scatter mirrors the gather"
+                op = f"all_gather {calls} + reduce_scatter {back[0]}"
+            else:
+                calls, whole = col["_c10d_functional::all_to_all_single"]
+                op, whole = f"all_to_all_single {calls}", whole // 2  # forward and backward alike
+            per_layer = whole / layers
+            sent = per_layer * (cp - 1) / cp
+            planned = 2 * cp_exchange_bytes(cfg, degrees)
+            kv = max(r["saved"]["kv"] for r in ranks) / layers
+            # This rank's own tokens' keys and values: the whole sequence's over cp.
+            m = cfg.model
+            own = 2 * seq * m.n_kv_heads * m.resolved_head_dim * 4 / cp
+            pos = col["positions all_gather"]
+            print(
+                f"| {cp} | {mode} | {op} | {per_layer / mib:.2f} | {sent / mib:.2f} | "
+                f"{planned / mib:.2f} | {sent / planned:.3f} | {kv / mib:.2f} | "
+                f"{(kv - own) / mib:.2f} | {2 * cp_held_bytes(cfg, degrees) / mib:.2f} | "
+                f"{pos[0]}, {pos[1]} |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("mode", nargs="?", choices=("compare", "worker"), default="compare")
-    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192], help="one run each")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--cp-modes",
+        nargs="+",
+        choices=("all_gather", "all_to_all"),
+        default=["all_gather"],
+        help="distributed.cp_mode of each cp > 1 run (cp=1 runs once)",
+    )
     args = parser.parse_args()
     if args.mode == "worker":
-        worker(args.seq, args.steps)
+        worker(args.seq[0], args.steps, args.cp_modes[0])
         return
     started, load = time.perf_counter(), os.getloadavg()[0]
-    results = {}
-    for cp in args.cps:
-        results[cp] = run(cp, args.seq, args.steps)
-        print(f"cp={cp}: {json.dumps(results[cp])}", flush=True)  # everything, for the record
-    report(results, args.seq)
+    for seq in args.seq:
+        results: dict[tuple[int, str], list[dict]] = {}
+        for cp in args.cps:
+            for mode in args.cp_modes if cp > 1 else args.cp_modes[:1]:
+                results[cp, mode] = run(cp, seq, args.steps, mode)
+                # Everything, for the record.
+                print(f"seq={seq} cp={cp} {mode}: {json.dumps(results[cp, mode])}", flush=True)
+        gather = {cp: ranks for (cp, mode), ranks in results.items() if mode == "all_gather"}
+        if 1 in args.cps and "all_gather" in args.cp_modes:
+            report(gather, seq)
+        if len(args.cp_modes) > 1:
+            report_modes(results, seq)
+        print(f"load average after seq {seq}: {os.getloadavg()[0]:.2f}", flush=True)
     wall, end = time.perf_counter() - started, os.getloadavg()[0]
     print(f"\nload average at start {load:.2f}, at end {end:.2f}; wall {wall:.0f} s")
 
