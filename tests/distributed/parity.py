@@ -26,7 +26,7 @@ SAVE = "--checkpoint.interval=5"
 # Sliding-window attention on the first of the debug model's two blocks (24 of the runs' 64
 # tokens, so windows cross context parallel's chunks) and attention sinks on both: carried by
 # layouts of every kind (test_parity.py's tp=2 and full AC, test_context_parallel.py's
-# cp=2 x tp=2, test_pipeline.py's 1f1b with a document mask).
+# cp=2 all-to-all x tp=2, test_pipeline.py's 1f1b with a document mask).
 WINDOWED = (
     "--model.sliding_window=24",
     "--model.layer_types=['sliding_attention', 'full_attention']",

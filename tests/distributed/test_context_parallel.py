@@ -30,9 +30,14 @@ LAYOUTS = {
         4,
         ["--distributed.cp=2", "--distributed.cp_mode=all_to_all", "--train.batch_size=4"],
     ),
-    "cp=2 x tp=2, sliding window and sinks": (
+    "cp=2 all-to-all x tp=2, sliding window and sinks": (
         4,
-        ["--distributed.cp=2", "--distributed.tp=2", "--train.batch_size=8"],
+        [
+            "--distributed.cp=2",
+            "--distributed.cp_mode=all_to_all",
+            "--distributed.tp=2",
+            "--train.batch_size=8",
+        ],
     ),
     "cp=2 x pp=2": (4, ["--distributed.cp=2", "--distributed.pp=2", "--train.batch_size=8"]),
 }
@@ -40,8 +45,9 @@ MASKS = {"causal": (), "document mask": ("--data.document_mask=true",)}
 # The model of a layout where it is not the debug one: Qwen3-shaped (test_parity.py's QWEN3).
 MODELS = {
     "cp=2 all-to-all x dp_shard=2, Qwen3-shaped": QWEN3,
-    # A window crossing the chunks a rank holds, sinks split over the tp ranks.
-    "cp=2 x tp=2, sliding window and sinks": WINDOWED,
+    # Each tp rank's 2 query and 2 KV heads (4 KV heads: as many as query heads) split over
+    # cp; a window over the whole sequence; sinks split over tp, then over cp with their heads.
+    "cp=2 all-to-all x tp=2, sliding window and sinks": (*WINDOWED, "--model.n_kv_heads=4"),
 }
 
 
