@@ -11,8 +11,14 @@ tensors autograd saves (saved_tensors_hooks, one count per storage, weights excl
 collectives (torch.profiler with record_shapes; the positions' list all-gather wrapped, as the
 profiler records no list shapes).
 
+--cp-modes all_gather all_to_all runs every cp > 1 case in both distributed.cp_mode's and sets
+them side by side (the all-to-alls counted from the profiler too), with what kiln's planner
+(cp_exchange_bytes, cp_held_bytes) assumes for the same shapes.
+
     python benchmarks/context_parallel.py    # seq 8192, cp 1 2 4 (~4 min on 2 cores)
     python benchmarks/context_parallel.py --seq 4096 --cps 1 2
+    python benchmarks/context_parallel.py --seq 4096 8192 --cps 2 4 --steps 2 \\
+        --cp-modes all_gather all_to_all
 """
 
 from __future__ import annotations
@@ -188,7 +194,9 @@ def report(results: dict[int, list[dict]], seq: int) -> None:
     from kiln.plan.activations import gathered_kv_bytes
 
     mib, base = 2**20, results[1][0]
-    cfg = config_from_dict({}, [f"--train.seq_len={seq}", "--train.batch_size=1"])
+    cfg = config_from_dict(
+        {}, [f"--train.seq_len={seq}", f"--model.max_seq_len={seq}", "--train.batch_size=1"]
+    )
     m = cfg.model
     print(f"\n### seq_len {seq}, batch 1, fp32, {m.n_layers} layers, dim {m.dim}\n")
     print(
@@ -256,6 +264,7 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
         "K/V held | queries + output | rest |"
     )
     print("|" + "---|" * 12)
+    unmasked = {}  # (cp, mode) -> saved bytes without the mask (a CPU-only term)
     for cp in cps:
         rows = {}
         for mode in modes:
@@ -275,6 +284,7 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
                 q_out,
                 total - mask - kv - q_out,
             ]
+            unmasked[cp, mode] = total - mask
         ratio = [
             a / g if g else float("nan")
             for a, g in zip(rows[modes[1]], rows[modes[0]], strict=True)
@@ -289,12 +299,17 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
     print(
         "\n| cp | mode | exchange op: calls/step | whole tensors MiB/layer/pass | of it to other "
         "ranks | planner cp_exchange_bytes x 2 (fp32) | measured / planner | K/V held MiB/layer "
-        "| of it beyond the own tokens' | planner cp_held_bytes x 2 | positions all-gather "
-        "calls, B |"
+        "| of it beyond the own tokens' | planner cp_held_bytes x 2 | saved without the mask "
+        "minus all_gather's, MiB/layer | planner's difference | positions all-gather calls, B |"
     )
-    print("|" + "---|" * 11)
+    print("|" + "---|" * 13)
     for cp in cps:
-        overrides = [f"--train.seq_len={seq}", "--train.batch_size=1", f"--distributed.cp={cp}"]
+        overrides = [
+            f"--train.seq_len={seq}",
+            f"--model.max_seq_len={seq}",
+            "--train.batch_size=1",
+            f"--distributed.cp={cp}",
+        ]
         for mode in modes:
             ranks = results[cp, mode]
             col = ranks[0]["collectives"]
@@ -321,11 +336,15 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
             m = cfg.model
             own = 2 * seq * m.n_kv_heads * m.resolved_head_dim * 4 / cp
             pos = col["positions all_gather"]
+            held = 2 * cp_held_bytes(cfg, degrees)
+            if mode == "all_gather":
+                held_gather = held
+            more = (unmasked[cp, mode] - unmasked[cp, "all_gather"]) / layers
             print(
                 f"| {cp} | {mode} | {op} | {per_layer / mib:.2f} | {sent / mib:.2f} | "
                 f"{planned / mib:.2f} | {sent / planned:.3f} | {kv / mib:.2f} | "
-                f"{(kv - own) / mib:.2f} | {2 * cp_held_bytes(cfg, degrees) / mib:.2f} | "
-                f"{pos[0]}, {pos[1]} |"
+                f"{(kv - own) / mib:.2f} | {held / mib:.2f} | {more / mib:.2f} | "
+                f"{(held - held_gather) / mib:.2f} | {pos[0]}, {pos[1]} |"
             )
 
 
