@@ -233,9 +233,9 @@ def layer_masks(
         if document_ids is not None:
             key_ids = context_parallel.gather_sequence(document_ids)
         # The queries a rank attends with: its own tokens, or (all-to-all) the whole sequence's.
-        positions = context_parallel.query_sequence(positions)
+        positions = context_parallel.query_sequence(positions, key_positions)
         if document_ids is not None:
-            document_ids = context_parallel.query_sequence(document_ids)
+            document_ids = context_parallel.query_sequence(document_ids, key_ids)
     return {
         w: build_position_mask(
             positions, key_positions, ids=document_ids, key_ids=key_ids, window=w

@@ -109,10 +109,11 @@ class ContextParallel:
             return per_head
         return per_head.chunk(self.size)[self.rank]
 
-    def query_sequence(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-token integers of the queries this rank attends with, in the order of their
-        rows: its own tokens (all_gather) or the whole sequences' (all_to_all)."""
-        return values if self.mode == "all_gather" else self.gather_sequence(values)
+    def query_sequence(self, values: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        """Per-token integers of the queries this rank attends with, given its own (`values`)
+        and the whole sequences' (`gathered`, from `gather_sequence`): its own tokens'
+        (all_gather) or all of them (all_to_all)."""
+        return values if self.mode == "all_gather" else gathered
 
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, heads, local seq, width) -> (batch, heads / cp, seq, width): head group r to

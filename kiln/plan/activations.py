@@ -164,13 +164,19 @@ def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
 
 def cp_held_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
     """Bytes one attention layer keeps for its backward beyond its own tokens' activations, per
-    micro-batch, for context parallel's exchange (distributed.cp_mode): `all_gather` keeps the
-    other cp ranks' keys and values; `all_to_all` nothing more: the queries, keys, values and
-    output it re-split over the heads stand in for the local ones attention would keep (as
-    many numbers: 1/cp of the heads over all of the sequence)."""
-    if degrees["cp"] == 1 or cfg.distributed.cp_mode == "all_to_all":
+    micro-batch (bf16), for context parallel's exchange (distributed.cp_mode): `all_gather`
+    keeps the other cp ranks' keys and values; `all_to_all` keeps the attention's output twice,
+    over the heads (attention's own) and back over the sequence (the output projection's
+    input, a new buffer where the all-gather's is a view): one more output of its own tokens
+    (benchmarks/context_parallel.md measured both). Its re-split queries, keys and values stand
+    in for the local ones attention would keep (as many numbers)."""
+    cp = degrees["cp"]
+    if cp == 1:
         return 0.0
-    return gathered_kv_bytes(cfg, degrees) * (degrees["cp"] - 1) / degrees["cp"]
+    if cfg.distributed.cp_mode == "all_to_all":
+        output = model_facts.attention(cfg.model).output_width / degrees["tp"]
+        return 2 * microbatch_tokens(cfg, degrees) * output
+    return gathered_kv_bytes(cfg, degrees) * (cp - 1) / cp
 
 
 def cp_exchange_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
