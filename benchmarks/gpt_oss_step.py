@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 
-from overhead import time_steps
+from overhead import endless_trainer, time_steps
 
-from kiln.config import load_config
 from kiln.model import count_params
-from kiln.train.trainer import Trainer
 
 PLAIN_ATTENTION = [
     "--model.attention_sinks=false",
@@ -43,14 +40,6 @@ ARMS = {
 }
 
 
-def trainer(config: str, overrides: list[str]) -> Trainer:
-    run_dir = tempfile.mkdtemp(prefix="kiln-gpt-oss-step-")
-    args = [*overrides, f"--metrics.run_dir={run_dir}", "--checkpoint.interval=0"]
-    cfg = load_config(config, args)
-    cfg.train.max_steps = 10**9  # the LR schedule keeps going; nothing here ends the run
-    return Trainer(cfg)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/train/debug.toml")
@@ -59,7 +48,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args, overrides = parser.parse_known_args()
     overrides = ["--model.preset=gpt_oss_debug", "--data.num_workers=0", *overrides]
-    trainers = {name: trainer(args.config, [*overrides, *extra]) for name, extra in ARMS.items()}
+    trainers = {
+        name: endless_trainer(args.config, [*overrides, *extra]) for name, extra in ARMS.items()
+    }
     for run in trainers.values():
         time_steps(run.train_step, args.warmup)
     times: dict[str, list[float]] = {name: [] for name in trainers}

@@ -29,6 +29,18 @@ from kiln.model import build_model, materialize
 from kiln.train.trainer import Trainer
 
 
+def endless_trainer(config: str, overrides: list[str]) -> Trainer:
+    """A `Trainer` of `config` with `overrides` in a fresh run dir, no checkpoints, and a
+    learning-rate schedule that keeps going (nothing ends the run): one arm of a side-by-side
+    comparison of steps."""
+    run_dir = tempfile.mkdtemp(prefix="kiln-bench-")
+    cfg = load_config(
+        config, [*overrides, f"--metrics.run_dir={run_dir}", "--checkpoint.interval=0"]
+    )
+    cfg.train.max_steps = 10**9
+    return Trainer(cfg)
+
+
 def time_steps(step_fn, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):

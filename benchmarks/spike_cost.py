@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import timeit
 
-from overhead import time_steps
+from overhead import endless_trainer, time_steps
 
-from kiln.config import load_config
 from kiln.config.sections import ResilienceConfig
 from kiln.resilience.spike_guard import SpikeGuard
-from kiln.train.trainer import Trainer
 
 WINDOW = 100
-
-
-def trainer(config: str, overrides: list[str], *extra: str) -> Trainer:
-    run_dir = tempfile.mkdtemp(prefix="kiln-spike-cost-")
-    args = [*overrides, f"--metrics.run_dir={run_dir}", "--checkpoint.interval=0", *extra]
-    cfg = load_config(config, args)
-    cfg.train.max_steps = 10**9  # the LR schedule keeps going; nothing here ends the run
-    return Trainer(cfg)
 
 
 def detector_us(repeats: int = 20_000) -> float:
@@ -55,9 +44,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--window", type=int, default=WINDOW)
     args, overrides = parser.parse_known_args()
-    off = trainer(args.config, overrides)
+    off = endless_trainer(args.config, overrides)
     spikes = ["--resilience.spike_action=skip", f"--resilience.spike_window={args.window}"]
-    on = trainer(args.config, overrides, *spikes)
+    on = endless_trainer(args.config, [*overrides, *spikes])
     time_steps(off.train_step, args.window + 5)  # the window fills: then every step decides
     time_steps(on.train_step, args.window + 5)
     times = {"off": [], "on": []}

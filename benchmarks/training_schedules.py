@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 
-from overhead import time_steps
+from overhead import endless_trainer, time_steps
 
 from kiln.config import load_config
-from kiln.train.trainer import Trainer
 
 FAR = 10**15  # tokens: a schedule point no measurement reaches
 
@@ -46,14 +44,6 @@ def arms(batch_size: int, seq_len: int) -> dict[str, list[str]]:
     }
 
 
-def trainer(config: str, overrides: list[str], extra: list[str]) -> Trainer:
-    run_dir = tempfile.mkdtemp(prefix="kiln-schedules-")
-    args = [*overrides, f"--metrics.run_dir={run_dir}", "--checkpoint.interval=0", *extra]
-    cfg = load_config(config, args)
-    cfg.train.max_steps = 10**9  # the LR schedule keeps going; nothing here ends the run
-    return Trainer(cfg)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/train/debug.toml")
@@ -65,7 +55,7 @@ def main() -> None:
     overrides = [*overrides, f"--train.batch_size={cfg.train.batch_size}"]
     overrides += ["--train.grad_accum_steps=2", "--data.num_workers=0"]
     trainers = {
-        name: trainer(args.config, overrides, extra)
+        name: endless_trainer(args.config, [*overrides, *extra])
         for name, extra in arms(cfg.train.batch_size, cfg.train.seq_len).items()
     }
     tokens = {}

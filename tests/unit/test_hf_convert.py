@@ -96,6 +96,18 @@ def _tokens(batch: int = 2, seq: int = 24) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(2))
 
 
+def _hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
+    """The tokens transformers' greedy generation adds to `prompt`."""
+    out = hf_model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
@@ -311,13 +323,7 @@ def test_exported_tokenizer_loads_in_transformers(kiln_ckpt, tmp_path):
 
 def test_greedy_generation_matches_hf(hf_model, kiln_ckpt):
     prompt = [5, 17, 42, 99, 250]
-    expected = hf_model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=12,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
+    expected = _hf_greedy(hf_model, prompt, 12)
     assert generate(_load_kiln(kiln_ckpt), prompt, max_new_tokens=12) == expected
 
 

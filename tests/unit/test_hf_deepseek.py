@@ -28,6 +28,7 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.model import build_model, materialize
 from kiln.model.generate import generate
+from tests.unit.test_hf_convert import _hf_greedy
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek  # noqa: E402
@@ -288,13 +289,7 @@ def test_missing_mtp_weights_keep_kilns_initialization(converted, tmp_path, caps
 def test_greedy_generation_matches_hf(converted, variant):
     _, hf_model, ckpt = converted[variant]
     prompt = [5, 17, 42, 99, 120]
-    expected = hf_model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=12,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
+    expected = _hf_greedy(hf_model, prompt, 12)
     assert generate(_load_kiln(ckpt), prompt, max_new_tokens=12) == expected
 
 

@@ -24,6 +24,7 @@ from kiln.model.llama.model import Transformer
 from tests.unit.test_hf_convert import (
     TOLERANCE,
     VOCAB,
+    _hf_greedy,
     _load_kiln,
     _max_diff,
     _randomize_norms,
@@ -246,13 +247,7 @@ def test_kiln_to_hf_logits_match(tmp_path, variant, changes, hf_class):
 def test_greedy_generation_matches_hf(converted, variant):
     _, hf_model, ckpt = converted[variant]
     prompt = [5, 17, 42, 99, 250]
-    expected = hf_model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=10,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
+    expected = _hf_greedy(hf_model, prompt, 10)
     assert generate(_load_kiln(ckpt), prompt, max_new_tokens=10) == expected
 
 

@@ -21,6 +21,7 @@ from kiln.model.generate import generate
 from tests.unit.test_hf_convert import (
     TOLERANCE,
     VOCAB,
+    _hf_greedy,
     _load_kiln,
     _max_diff,
     _randomize_norms,
@@ -140,13 +141,7 @@ def test_hf_to_kiln_logits_and_tokens_match(converted, variant):
     assert diff <= TOLERANCE, diff
 
     prompt = [5, 17, 42, 99, 250]
-    expected = hf_model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=10,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
+    expected = _hf_greedy(hf_model, prompt, 10)
     assert generate(model, prompt, max_new_tokens=10) == expected
 
 
