@@ -25,7 +25,7 @@ def dense(layouts, name):
 CASES = {
     "FSDP dp_shard=2": dense(test_parity.LAYOUTS, "dp_shard=2"),
     "HSDP dp_replicate=2 x dp_shard=2": dense(test_parity.LAYOUTS, "dp_replicate=2 x dp_shard=2"),
-    "TP tp=2": dense(test_parity.LAYOUTS, "tp=2"),
+    "TP tp=2": dense(test_parity.LAYOUTS, "tp=2, sliding window and sinks"),
     "PP pp=2 x dp_shard=2": dense(test_pipeline.LAYOUTS, "pp=2 x dp_shard=2"),
     "CP cp=2": (*test_context_parallel.LAYOUTS["cp=2"], ()),
 }
