@@ -22,6 +22,7 @@ from pathlib import Path
 from kiln.config import JobConfig, resolve_layout, to_toml, validate
 from kiln.config.pipeline import num_stages
 from kiln.config.sections import (
+    BatchScheduleConfig,
     DataConfig,
     DistributedConfig,
     EvalConfig,
@@ -59,6 +60,11 @@ def proxy_config(
     d = cfg.distributed
     seq_len = max(64, math.lcm(2 * d.cp, d.cp * d.tp))
     m.vocab_size, m.max_seq_len = 4096, seq_len
+    if m.sliding_window:
+        # The window's pattern over the proxy's layers, a window that still cuts its sequences.
+        types = m.layer_types
+        m.layer_types = [types[i % len(types)] for i in range(m.n_layers)] if types else []
+        m.sliding_window = min(m.sliding_window, seq_len // 4)
     if m.moe.num_experts > 0:
         _shrink_experts(m, pipelined=cfg.distributed.pp > 1)
     if m.family == "deepseek_v3":
@@ -114,6 +120,12 @@ def set_aside(cfg: JobConfig) -> list[str]:
     if cfg.resilience.debug_nan_steps:
         notes.append(f"NaN injection at steps {cfg.resilience.debug_nan_steps}")
         cfg.resilience.debug_nan_steps = []
+    if cfg.train.batch_schedule.tokens or cfg.train.seq_len_schedule:
+        # Their batches and lengths are the recipe's, not the proxy's: the layout is proven on
+        # the proxy's own steps (the schedules' parity is the test suite's).
+        notes.append("train.batch_schedule / train.seq_len_schedule (the proxy's own shape)")
+        cfg.train.batch_schedule = BatchScheduleConfig()
+        cfg.train.seq_len_schedule = []
     if cfg.resilience.nan_action == "rollback":
         # Rollback needs a checkpoint to return to, and the proxy run writes none.
         notes.append("resilience.nan_action = 'rollback' (runs as 'stop')")
