@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from overhead import endless_trainer, time_steps
+from overhead import alternate_blocks, endless_trainer, time_steps
 
 from kiln.model import count_params
 
@@ -53,10 +53,7 @@ def main() -> None:
     }
     for run in trainers.values():
         time_steps(run.train_step, args.warmup)
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(args.repeats):
-        for name, run in trainers.items():
-            times[name].append(time_steps(run.train_step, args.steps))
+    times = alternate_blocks(trainers, steps=args.steps, repeats=args.repeats)
     base = statistics.median(times["llama-moe"])
     print(f"config {args.config} {' '.join(overrides)}")
     print("| arm | parameters | median step (ms) | min-max (ms) | step / llama-moe |")

@@ -41,6 +41,16 @@ def endless_trainer(config: str, overrides: list[str]) -> Trainer:
     return Trainer(cfg)
 
 
+def alternate_blocks(trainers: dict, *, steps: int, repeats: int) -> dict[str, list[float]]:
+    """Per arm, the mean step time of each of `repeats` blocks of `steps` steps, the arms taking
+    turns block by block so that drift in the machine's load hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(repeats):
+        for name, run in trainers.items():
+            times[name].append(time_steps(run.train_step, steps))
+    return times
+
+
 def time_steps(step_fn, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):

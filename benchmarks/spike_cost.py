@@ -16,7 +16,7 @@ import argparse
 import statistics
 import timeit
 
-from overhead import endless_trainer, time_steps
+from overhead import alternate_blocks, endless_trainer, time_steps
 
 from kiln.config.sections import ResilienceConfig
 from kiln.resilience.spike_guard import SpikeGuard
@@ -49,10 +49,7 @@ def main() -> None:
     on = endless_trainer(args.config, [*overrides, *spikes])
     time_steps(off.train_step, args.window + 5)  # the window fills: then every step decides
     time_steps(on.train_step, args.window + 5)
-    times = {"off": [], "on": []}
-    for _ in range(args.repeats):
-        times["off"].append(time_steps(off.train_step, args.steps))
-        times["on"].append(time_steps(on.train_step, args.steps))
+    times = alternate_blocks({"off": off, "on": on}, steps=args.steps, repeats=args.repeats)
     off_ms, on_ms = (1e3 * statistics.median(times[k]) for k in ("off", "on"))
     print(f"config {args.config} {' '.join(overrides)}")
     print("| spike_action | median step (ms) | min (ms) | max (ms) |")

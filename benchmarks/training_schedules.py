@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from overhead import endless_trainer, time_steps
+from overhead import alternate_blocks, endless_trainer, time_steps
 
 from kiln.config import load_config
 
@@ -62,10 +62,7 @@ def main() -> None:
     for name, run in trainers.items():
         time_steps(run.train_step, args.warmup)
         tokens[name] = run.train_step().tokens  # every later step reads as many
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(args.repeats):
-        for name, run in trainers.items():
-            times[name].append(time_steps(run.train_step, args.steps))
+    times = alternate_blocks(trainers, steps=args.steps, repeats=args.repeats)
     fixed = statistics.median(times["fixed"])
     print(f"config {args.config} {' '.join(overrides)}")
     print(
