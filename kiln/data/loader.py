@@ -124,7 +124,6 @@ class BatchLoader:
         schedule: TrainingSchedule | None = None,
     ):
         self.sources, self.cfg, self.seed = sources, cfg, seed
-        self.batch_size, self.grad_accum_steps = batch_size, grad_accum_steps
         # Every step's shape; without one, each step is `grad_accum_steps` micro-batches of
         # `batch_size` samples of the data's own length.
         fixed = TrainConfig(
@@ -178,10 +177,6 @@ class BatchLoader:
             gather=gather,
             schedule=TrainingSchedule(cfg.train, data_ranks=data_ranks),
         )
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.grad_accum_steps * self.data_ranks
 
     @property
     def samples_seen(self) -> int:
