@@ -99,6 +99,8 @@ def _late_ranks(reports: list[dict], hosts: list[str], slow_s: float) -> list[st
     for (label, _), waits in groups.items():
         for r, own in waits.items():
             others = [seconds for other, seconds in waits.items() if other != r]
+            if not others:  # a group of one rank waits for nobody
+                continue
             late = statistics.median(others) - own
             if late > slow_s:
                 lines.append(

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+import kiln.parallel.apply as apply_module
 import kiln.train.trainer as trainer_module
 from kiln.cli import main
-from kiln.config.sections import DistributedConfig
+from kiln.config.sections import JobConfig
 from kiln.config.validate import resolve_layout
 from kiln.parallel.mesh import MESH_DIMS, ParallelContext, _restart_safe_store
 
@@ -36,14 +37,12 @@ class OneRankFSDP(ParallelContext):
         return self.mesh["dp_shard"]
 
 
-def init_one_rank(
-    dist_cfg: DistributedConfig, device: torch.device, *, timeout_s: float = 600
-) -> ParallelContext:
-    """kiln's `init_parallel` without its shortcut for one process."""
+def init_one_rank(cfg: JobConfig, device: torch.device) -> ParallelContext:
+    """kiln's `init_training_parallel` without its shortcut for one process."""
     if device.type == "cuda":
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.resilience.collective_timeout_s)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
         timeout=timeout,
@@ -51,7 +50,7 @@ def init_one_rank(
     )
     mesh = init_device_mesh(device.type, (1,) * len(MESH_DIMS), mesh_dim_names=MESH_DIMS)
     print(f"backend={dist.get_backend()}", flush=True)
-    degrees = resolve_layout(dist_cfg, 1)
+    degrees = resolve_layout(cfg.distributed, 1)
     return OneRankFSDP(rank=0, world_size=1, device=device, degrees=degrees, mesh=mesh)
 
 
@@ -63,9 +62,10 @@ def apply_and_count(*args, **kwargs) -> list:
     return parts
 
 
-apply_parallelism = trainer_module.apply_parallelism
+apply_parallelism = apply_module.apply_parallelism
 
 if __name__ == "__main__":
-    trainer_module.init_parallel = init_one_rank
-    trainer_module.apply_parallelism = apply_and_count
+    # The trainer looks these up in its own module and in kiln/parallel/apply.py at call time.
+    trainer_module.init_training_parallel = init_one_rank
+    apply_module.apply_parallelism = apply_and_count
     sys.exit(main(sys.argv[1:]))

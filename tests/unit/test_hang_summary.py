@@ -119,6 +119,10 @@ def test_a_late_rank_is_the_one_that_waited_least():
     ]
     # A loaded machine's skew below the threshold names nobody.
     assert assess(reports_with_waits([0.4, 0.01, 0.3, 0.5]), HOSTS, cfg) == ([], [])
+    # One rank in a process group of its own (torchrun --nproc-per-node=1 with a mesh) has
+    # nobody to be late for.
+    alone = [{"waits": {"the world": ([0], 0.2)}}]
+    assert assess(alone, HOSTS, cfg) == ([], [])
 
 
 def test_a_failing_gpu_fails_the_check_and_a_slow_one_is_named():
