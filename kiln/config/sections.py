@@ -37,9 +37,10 @@ SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "none"]
 DataSource = Literal["demo", "prepared", "hf"]
 MixtureSource = Literal["prepared", "hf"]  # a dataset of a mixture: not the demo corpus
 GradReduce = Literal["per_micro_batch", "per_step"]
-# Context parallel's exchange: every layer all-gathers keys and values, or re-splits queries,
-# keys and values from the sequence to the heads (all-to-all, DeepSpeed-Ulysses).
-CpMode = Literal["all_gather", "all_to_all"]
+# Context parallel's exchange: every layer all-gathers keys and values, passes them from rank
+# to rank and merges the partial results (ring), or re-splits queries, keys and values from the
+# sequence to the heads (all-to-all, DeepSpeed-Ulysses).
+CpMode = Literal["all_gather", "ring", "all_to_all"]
 # Pipeline schedules that run one stage per rank, and those that run several (virtual stages).
 SingleStageSchedule = Literal["gpipe", "1f1b"]
 MultiStageSchedule = Literal["interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
