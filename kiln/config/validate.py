@@ -9,7 +9,7 @@ from kiln.config.pipeline import (
     MULTI_STAGE_SCHEDULES,
     PP_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
-    microbatches,
+    microbatch_problems,
     num_stages,
 )
 from kiln.config.sections import DistributedConfig, JobConfig, ModelConfig
@@ -318,7 +318,7 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
             "distributed.pp_virtual_stages >= 2 (or use '1f1b' for one stage per rank)"
         )
     p += _stage_split_problems(cfg)
-    p += _microbatch_problems(cfg)
+    p += microbatch_problems(d, t.batch_size) if t.batch_size > 0 else []
     if d.grad_reduce == "per_step" and t.grad_accum_steps > 1:
         p.append(
             "distributed.grad_reduce = 'per_step' with pp > 1 and grad_accum_steps > 1: a pipeline pass "
@@ -426,34 +426,6 @@ def _stage_split_problems(cfg: JobConfig) -> list[str]:
             f"model.n_layers = {layers} does not divide into {what}: interleaved stages run in "
             "lockstep, so they should be equal; change pp_virtual_stages or the layer count, or "
             "list the split in distributed.pp_layers_per_stage"
-        ]
-    return []
-
-
-def _microbatch_problems(cfg: JobConfig) -> list[str]:
-    d, batch = cfg.distributed, cfg.train.batch_size
-    if batch <= 0:
-        return []
-    m = microbatches(d, batch)
-    needed = d.pp if d.pp_schedule != "gpipe" else 1
-    if batch % m:
-        divisors = [k for k in range(needed, batch + 1) if batch % k == 0]
-        return [
-            f"train.batch_size = {batch} (sequences per rank per pipeline pass) must be divisible by "
-            f"distributed.pp_microbatches = {m}; use one of {divisors} micro-batches, or a batch size "
-            f"that is a multiple of {m}"
-        ]
-    if m < needed:
-        return [
-            f"distributed.pp_schedule = '{d.pp_schedule}' needs at least pp = {needed} micro-batches "
-            f"per pass, got {m}; set distributed.pp_microbatches >= {needed} and train.batch_size to "
-            f"a multiple of it (pp_microbatches = 0 uses train.batch_size)"
-        ]
-    rounds = max(1, m // d.pp)
-    if d.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and m % rounds:
-        return [
-            f"distributed.pp_schedule = '{d.pp_schedule}' runs micro-batches in rounds of pp = {d.pp}: "
-            f"{m} micro-batches is not a multiple of {rounds} rounds; use a multiple of {d.pp}"
         ]
     return []
 

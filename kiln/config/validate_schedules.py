@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from itertools import pairwise
 
+from kiln.config.pipeline import PP_SCHEDULES, microbatch_problems
 from kiln.config.sections import JobConfig
 from kiln.config.training_schedule import phase_batch_size
 
@@ -80,12 +81,6 @@ def _phase_problems(cfg: JobConfig) -> list[str]:
             "train.seq_len_schedule with a streamed dataset: not supported (a stream is read "
             "in windows of one length); prepare the dataset (`kiln prepare`) or drop the phases"
         )
-    if cfg.distributed.pp > 1:
-        p.append(
-            "train.seq_len_schedule with distributed.pp > 1: not supported yet (the pipeline "
-            "schedule's stages are built for one micro-batch shape); use FSDP, TP or CP for the "
-            "phased run, or drop the phases"
-        )
     until = [phase.until_tokens for phase in t.seq_len_schedule]
     if until[0] <= 0 or any(b <= a for a, b in pairwise(until)):
         p.append(
@@ -114,7 +109,8 @@ def _one_phase_problems(cfg: JobConfig, key: str, phase) -> list[str]:
             f"{key}: the recipe's {t.batch_size} × {t.seq_len} tokens per micro-batch are not "
             f"a whole number of sequences of {phase.seq_len}; set {key}.batch_size"
         ]
-    p, rows = [], phase_batch_size(t, phase)
+    rows = phase_batch_size(t, phase)
+    p = _pipeline_pass_problems(cfg, key, rows)
     if rows * phase.seq_len > t.batch_size * t.seq_len:
         p.append(
             f"{key}: {rows} sequences of {phase.seq_len} tokens per micro-batch are more than "
@@ -133,6 +129,17 @@ def _one_phase_problems(cfg: JobConfig, key: str, phase) -> list[str]:
             f"{math.lcm(2 * d.cp, d.cp * d.tp) if d.cp > 1 else d.tp}"
         )
     return p
+
+
+def _pipeline_pass_problems(cfg: JobConfig, key: str, rows: int) -> list[str]:
+    """A phase's micro-batch of `rows` sequences is one pipeline pass: it must split into the
+    schedule's micro-batches as the recipe's does (checked by validate.py first)."""
+    d = cfg.distributed
+    if d.pp <= 1 or d.pp_schedule not in PP_SCHEDULES or d.pp_microbatches < 0:
+        return []
+    if microbatch_problems(d, cfg.train.batch_size):
+        return []  # the recipe's own split is wrong: one message, validate.py's
+    return microbatch_problems(d, rows, f"{key}.batch_size")
 
 
 def _nearest(value: int, unit: int) -> list[int]:

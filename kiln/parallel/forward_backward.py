@@ -25,6 +25,8 @@ from kiln.parallel.mesh import ParallelContext
 from kiln.parallel.pipeline import build_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Pipeline schedules kept at once: the training shape and one other (see ForwardBackward._schedule).
+KEPT_SCHEDULES = 2
 
 
 class ForwardBackward:
@@ -42,10 +44,11 @@ class ForwardBackward:
         self.autocast, self.per_row, self.device = autocast, per_row, parallel.device
         # Under tensor parallel the logits stay vocabulary-sharded into the loss.
         self.loss_context = loss_parallel if parallel.degrees["tp"] > 1 else contextlib.nullcontext
-        self.schedule = None
-        if parallel.degrees["pp"] > 1:
-            self.schedule = build_schedule(model_parts, cfg, parallel, loss_fn=self._stage_loss)
-            self.first_stage = any(part.stage.first for part in model_parts)
+        self.cfg, self.parallel = cfg, parallel
+        self.pipelined = parallel.degrees["pp"] > 1
+        self.first_stage = any(part.stage.first for part in model_parts)
+        # Pipeline schedules by pass shape, most recently used last (see `_schedule`).
+        self._schedules: dict[tuple[int, ...], Any] = {}
         self._sums: dict[int, torch.Tensor] = {}
         self._scale = torch.ones(())
 
@@ -62,7 +65,7 @@ class ForwardBackward:
         of sum · scale; `scale` None: forward only (eval). `kwargs`: the model's per-sequence
         arguments (document ids, positions), shaped (batch, seq) like the inputs; `options`: its
         other arguments, the same for every sequence (see the family's forward)."""
-        if self.schedule is not None:
+        if self.pipelined:
             return self._pipelined(inputs, labels, kwargs, options, scale=scale)
         with self.loss_context():
             # The loss too: the chunked loss runs the output head (cross entropy is fp32 anyway).
@@ -91,7 +94,8 @@ class ForwardBackward:
         self._sums.clear()
         self._scale = scale if scale is not None else torch.ones((), device=self.device)
         losses: list[torch.Tensor] = []
-        run = self.schedule.step if scale is not None else self.schedule.eval
+        schedule = self._schedule(inputs.shape)
+        run = schedule.step if scale is not None else schedule.eval
         phase = "pipeline forward-backward" if scale is not None else "pipeline forward"
         with self.loss_context(), self.autocast, record_function(phase):
             # Keyword arguments reach every stage (split into micro-batches like the inputs), so
@@ -108,10 +112,29 @@ class ForwardBackward:
             )
         if not losses:
             return torch.zeros(labels.shape[:1] if self.per_row else (), device=self.device)
-        # `losses` holds exactly this pass's micro-batch losses (the first pass also runs the loss
-        # once more to infer shapes); each maps back to its unnormalized sum, in batch order.
+        # `losses` holds exactly this pass's micro-batch losses (a schedule's first pass also runs
+        # the loss once more to infer shapes); each maps back to its unnormalized sum, in order.
         sums = [self._sums[id(loss)] for loss in losses]
         return _full(torch.cat(sums) if self.per_row else torch.stack(sums).sum())
+
+    def _schedule(self, shape: torch.Size):
+        """The schedule for passes of `shape` (rows, sequence length), built on first use: a
+        schedule's stages learn the tensors they exchange from its first pass and keep receive
+        buffers of that shape, so a sequence-length phase, and held-out evaluation at
+        train.seq_len during one, each need their own. Every rank reads the same shape at the
+        same pass, so all build it together. Two are kept, the shape in use and the last other
+        one (evaluation's during a phase): an earlier phase's buffers are freed when the next
+        begins."""
+        key = tuple(shape)
+        schedule = self._schedules.pop(key, None)
+        if schedule is None:
+            if len(self._schedules) >= KEPT_SCHEDULES:
+                del self._schedules[next(iter(self._schedules))]
+            schedule = build_schedule(
+                self.model_parts, self.cfg, self.parallel, loss_fn=self._stage_loss, rows=key[0]
+            )
+        self._schedules[key] = schedule
+        return schedule
 
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one micro-batch, normalized like the unpipelined step's."""

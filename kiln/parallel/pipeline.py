@@ -56,9 +56,12 @@ def build_schedule(
     cfg: JobConfig,
     parallel: ParallelContext,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    rows: int,
 ):
-    """The configured schedule over this rank's stages. `loss_fn` returns the already normalized
-    loss of one micro-batch, so the schedule must not rescale gradients (scale_grads=False)."""
+    """The configured schedule over this rank's stages (new `Stage` objects around the same
+    modules) for passes of `rows` sequences. `loss_fn` returns the already normalized loss of one
+    micro-batch, so the schedule must not rescale gradients (scale_grads=False)."""
     from torch.distributed import pipelining
 
     from kiln.parallel.pipeline_stage import Stage
@@ -74,7 +77,7 @@ def build_schedule(
     schedule_class = getattr(pipelining, SCHEDULES[dist_cfg.pp_schedule])
     return schedule_class(
         stages[0] if len(stages) == 1 and dist_cfg.pp_schedule in ("gpipe", "1f1b") else stages,
-        n_microbatches=microbatches(dist_cfg, cfg.train.batch_size),
+        n_microbatches=microbatches(dist_cfg, rows),
         loss_fn=loss_fn,
         # False: the loss is already normalized; scaling again would divide twice, which the
         # parity tests catch (tests/support/mutations.py).

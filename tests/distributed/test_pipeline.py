@@ -41,15 +41,17 @@ PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
 TIED_PARAM_TOLERANCE = 1e-4
 M2 = "--distributed.pp_microbatches=2"
 # A batch ramp (docs/configuration.md) from one micro-batch of 4 sequences over the data ranks to
-# two, at step 7 (test_parity.py's SCHEDULES without the sequence-length phase, which pipelines
-# do not run yet): the one process it matches accumulates 2 × 4; the layout's own batch settings
-# come after these and win.
+# two, at step 7, after a sequence-length phase of 32 tokens for steps 1-2 (test_parity.py's
+# SCHEDULES): the one process it matches accumulates 2 × 4; the layout's own batch settings come
+# after these and win. The pipelined layout's passes change shape at step 3 (4 sequences of 32
+# per rank in 4 pipeline micro-batches, then 2 of 64 in 2): a schedule built for each.
 RAMP = (
     *L4,
     "--train.batch_size=4",
     "--train.grad_accum_steps=2",
     "--train.batch_schedule.tokens=[0, 1536]",
     "--train.batch_schedule.sequences=[4, 8]",
+    "--train.seq_len_schedule=[{seq_len=32, until_tokens=512}]",
     "--scheduler.unit=tokens",
 )
 MASKED = (*L4, "--data.document_mask=true")
@@ -100,7 +102,7 @@ LAYOUTS = {
         ],
         L4,
     ),
-    "pp=2 x dp_shard=2, full AC, 2 micro-batches x accum 2, batch ramp": (
+    "pp=2 x dp_shard=2, full AC, 2 micro-batches x accum 2, batch ramp and phase": (
         4,
         [
             "--distributed.pp=2",

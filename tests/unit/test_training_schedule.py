@@ -138,6 +138,15 @@ BAD = {
         ["--train.seq_len_schedule=[{seq_len=64, until_tokens=10, batch_size=8}]"],
         "lower train.seq_len_schedule[0].batch_size to at most 4",
     ),
+    "a phase whose pass does not split into the pipeline's micro-batches": (
+        [
+            "--distributed.pp=2",
+            "--distributed.pp_microbatches=2",
+            "--train.seq_len_schedule=[{seq_len=64, until_tokens=10, batch_size=3}]",
+        ],
+        "train.seq_len_schedule[0].batch_size = 3 (sequences per rank per pipeline pass) must "
+        "be divisible by distributed.pp_microbatches = 2",
+    ),
     "phases out of order": (
         ["--train.seq_len_schedule=[{seq_len=32, until_tokens=10}, {seq_len=64, until_tokens=5}]"],
         "must be positive and increase",
@@ -148,7 +157,7 @@ BAD = {
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
 def test_bad_schedules_are_refused_with_the_fix(case):
     overrides, fragment = BAD[case]
-    world = 2 if "--distributed.cp=2" in overrides else 1
+    world = 2 if {"--distributed.cp=2", "--distributed.pp=2"} & set(overrides) else 1
     micro_batches = ["--train.batch_size=2", "--train.grad_accum_steps=4"]
     cfg = load_config(DEBUG_CONFIG, [*micro_batches, *overrides])
     with pytest.raises(ConfigError) as refused:
@@ -157,10 +166,10 @@ def test_bad_schedules_are_refused_with_the_fix(case):
     assert str(refused.value).count("\n  - ") <= 1  # one message for one mistake
 
 
-def test_phases_under_pipeline_parallel_are_refused():
-    cfg = load_config(DEBUG_CONFIG, ["--distributed.pp=2", *PHASE])
-    with pytest.raises(ConfigError, match=r"distributed\.pp > 1: not supported yet"):
-        validate(cfg, 2)
+def test_phases_run_under_pipeline_parallel():
+    """Each phase's pass has a schedule of its own (kiln/parallel/forward_backward.py): pp_microbatches
+    = 0 gives it one pipeline micro-batch per sequence, as the recipe's."""
+    validate(load_config(DEBUG_CONFIG, ["--distributed.pp=2", *PHASE]), 2)
 
 
 def test_learning_rate_over_tokens_is_over_steps_without_a_schedule(debug_overrides, tmp_path):
