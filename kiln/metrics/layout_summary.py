@@ -9,7 +9,15 @@ from kiln.config.sections import JobConfig
 from kiln.model import build_model
 from kiln.model.registry import family_of
 from kiln.parallel.float8 import float8_layer_plan
-from kiln.plan.activations import cp_exchange_bytes, gathered_kv_bytes
+from kiln.plan import model_facts
+from kiln.plan.activations import (
+    cp_exchange_bytes,
+    cp_held_bytes,
+    cp_transient_bytes,
+    gathered_kv_bytes,
+    own_kv_bytes,
+)
+from kiln.plan.throughput import recompute_factor, ring_recompute_flops
 
 
 def float8_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
@@ -50,8 +58,12 @@ def context_parallel_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
         return split + (
             f"sends {sent:,.1f} MiB in all-to-alls (queries, keys and values to 1/cp of the "
             f"heads over the whole sequence, the output back; as much again in backward) and "
-            f"keeps nothing beyond its own tokens' activations"
+            f"keeps one more copy of its own tokens' output "
+            f"({cp_held_bytes(cfg, layout) / 2**20:,.1f} MiB), over the heads for attention and "
+            f"over the sequence for the output projection"
         )
+    if cfg.distributed.cp_mode == "ring":
+        return split + _ring(cfg, layout)
     gathered = gathered_kv_bytes(cfg, layout)
     kept = (
         "a checkpointed layer gathers them again when it is recomputed"
@@ -61,4 +73,23 @@ def context_parallel_summary(cfg: JobConfig, layout: dict[str, int]) -> str:
     return split + (
         f"all-gathers {sent:,.1f} MiB of keys and values, the whole sequence's "
         f"{gathered / 2**20:,.1f} MiB (reduce-scattered back in backward); {kept}"
+    )
+
+
+def _ring(cfg: JobConfig, layout: dict[str, int]) -> str:
+    """What the ring sends and holds per layer and micro-batch, and what its backward redoes."""
+    mib = 2**20
+    block, sent = own_kv_bytes(cfg, layout) / mib, cp_exchange_bytes(cfg, layout) / mib
+    backward = cp_exchange_bytes(cfg, layout, backward=True) / mib
+    model_flops = model_facts.flops(cfg.model, cfg.train.seq_len) * recompute_factor(cfg, layout)
+    more = ring_recompute_flops(cfg, layout) / model_flops
+    return (
+        f"passes the keys and values around the ring: {layout['cp'] - 1} sends of a "
+        f"{block:,.1f} MiB block ({sent:,.1f} MiB), each overlapped with the attention of the "
+        f"block in hand, and {backward:,.1f} MiB in backward (the blocks again and each block's "
+        f"fp32 gradient); it keeps nothing of the other ranks' keys and values, only its merged "
+        f"output in fp32 ({cp_held_bytes(cfg, layout) / mib:,.1f} MiB), and holds 2 blocks in "
+        f"forward, {cp_transient_bytes(cfg, layout) / mib:,.1f} MiB in backward with their "
+        f"gradients; the backward recomputes each block's attention forward (one attention "
+        f"forward more per layer than the all-gather: {more:.0%} more FLOPs here)"
     )

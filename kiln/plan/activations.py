@@ -24,8 +24,11 @@ Activation checkpointing (kiln/parallel/activation_checkpoint.py): `full` keeps 
 input (2·d, sequence-split under tp) and recomputes one block at a time in backward, which then
 holds that block's activations and the largest gradients of its backward (`backward_transient`);
 `selective` checkpoints every other block (even layer indices). Context parallel divides the
-tokens by cp, but each layer's attention keeps the keys and values of the whole sequence it
-gathered (`gathered_kv_bytes`; MLA's expanded per head, not its latent). Under pipeline
+tokens by cp, but each layer's attention keeps what its exchange needs for the backward
+(`cp_held_bytes`): the all-gather the keys and values of the whole sequence it gathered
+(`gathered_kv_bytes`; MLA's expanded per head, not its latent), the all-to-all and the ring a
+second copy of their own tokens' output; the ring's blocks in flight exist only inside the one
+layer computing (`cp_transient_bytes`). Under pipeline
 parallel a rank holds its layers for as many micro-batches as its schedule keeps in flight
 (docs/pipeline.md); the busiest is the last, which also runs the multi-token prediction
 modules: per depth one more block with the norms and projection around it
@@ -162,33 +165,63 @@ def gathered_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
     return 2 * sequences * t.seq_len * width / degrees["tp"]
 
 
+def own_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Bytes of this cp rank's own keys and values in one attention layer, per micro-batch
+    (bf16): one block of the ring, 1/cp of `gathered_kv_bytes`."""
+    return gathered_kv_bytes(cfg, degrees) / degrees["cp"]
+
+
 def cp_held_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
     """Bytes one attention layer keeps for its backward beyond its own tokens' activations, per
-    micro-batch (bf16), for context parallel's exchange (distributed.cp_mode): `all_gather`
+    micro-batch, for context parallel's exchange (distributed.cp_mode): `all_gather`
     keeps the other cp ranks' keys and values; `all_to_all` keeps the attention's output twice,
     over the heads (attention's own) and back over the sequence (the output projection's
     input, a new buffer where the all-gather's is a view): one more output of its own tokens
     (benchmarks/context_parallel.md measured both). Its re-split queries, keys and values stand
-    in for the local ones attention would keep (as many numbers)."""
+    in for the local ones attention would keep (as many numbers). `ring` keeps its own tokens'
+    queries, keys, values and log-sum-exp, which the layer counts already, and its merged output
+    in fp32 (kiln/parallel/ring_attention.py), besides the bf16 copy the output projection
+    takes: 4 bytes per number of its own tokens' output, nothing of the other ranks' keys and
+    values."""
     cp = degrees["cp"]
     if cp == 1:
         return 0.0
-    if cfg.distributed.cp_mode == "all_to_all":
-        output = model_facts.attention(cfg.model).output_width / degrees["tp"]
-        return 2 * microbatch_tokens(cfg, degrees) * output
-    return gathered_kv_bytes(cfg, degrees) * (cp - 1) / cp
-
-
-def cp_exchange_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
-    """Bytes one attention layer's context-parallel exchange sends from each rank, per
-    micro-batch and pass (bf16; as many again come back in the backward): the all-gather of
-    keys and values ((cp − 1)/cp of the whole sequences'), or the all-to-alls of the queries,
-    keys, values and output ((cp − 1)/cp of the rank's own)."""
-    cp = degrees["cp"]
-    if cp == 1:
-        return 0.0
-    if cfg.distributed.cp_mode == "all_gather":
+    mode = cfg.distributed.cp_mode
+    if mode == "all_gather":
         return gathered_kv_bytes(cfg, degrees) * (cp - 1) / cp
+    output = model_facts.attention(cfg.model).output_width / degrees["tp"]
+    # Per number of the output: the all-to-all's second bf16 copy, the ring's fp32 merge.
+    per_number = 4 if mode == "ring" else 2
+    return per_number * microbatch_tokens(cfg, degrees) * output
+
+
+def cp_transient_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """Bytes the exchange holds only inside the one layer computing, at the backward's peak, per
+    micro-batch: `ring`'s block of keys and values in hand and the one arriving (bf16), with
+    the gradient accumulators that travel with them (fp32: twice their bytes each), 6 blocks'
+    worth; its forward holds only the 2 blocks. The other modes' are not counted."""
+    if degrees["cp"] == 1 or cfg.distributed.cp_mode != "ring":
+        return 0.0
+    return (2 + 2 * 2) * own_kv_bytes(cfg, degrees)
+
+
+def cp_exchange_bytes(cfg: JobConfig, degrees: dict[str, int], *, backward: bool = False) -> float:
+    """Bytes one attention layer's context-parallel exchange sends from each rank, per
+    micro-batch, in a forward pass or (`backward`) the backward: the all-gather of keys and
+    values ((cp − 1)/cp of the whole sequences'; the reduce-scatter sends as many back), the
+    all-to-alls of the queries, keys, values and output ((cp − 1)/cp of the rank's own, and
+    as many back), or the ring's cp − 1 sends of a block of keys and values (as many bytes as
+    the all-gather), whose backward passes the blocks around again and sends each block's
+    fp32 gradient after every one of its cp steps."""
+    cp = degrees["cp"]
+    if cp == 1:
+        return 0.0
+    mode = cfg.distributed.cp_mode
+    if mode == "all_gather":
+        return gathered_kv_bytes(cfg, degrees) * (cp - 1) / cp
+    if mode == "ring":
+        kv = own_kv_bytes(cfg, degrees)
+        return (cp - 1) * kv + (cp * 2 * kv if backward else 0)
     a = model_facts.attention(cfg.model)
     width = (a.query_width + a.key_width + a.value_width + a.output_width) / degrees["tp"]
     sequences = cfg.train.batch_size / pipeline_microbatches(cfg, degrees)
@@ -235,7 +268,8 @@ def activation_bytes(
     m, tp, sp = cfg.model, degrees["tp"], impl.sequence_parallel
     tokens = microbatch_tokens(cfg, degrees)
     in_flight = in_flight_microbatches(cfg.distributed, pipeline_microbatches(cfg, degrees))
-    # Under cp_mode all_gather, the other cp ranks' keys and values kept for the backward.
+    # What the cp exchange keeps beyond the layer's own tokens (all_gather: the other cp ranks'
+    # keys and values).
     gathered = cp_held_bytes(cfg, degrees)
     dense = layer_bytes_per_token(m, moe=False, tp=tp, sp=sp) * tokens + gathered
     moe = layer_bytes_per_token(m, moe=True, tp=tp, sp=sp) * tokens + gathered
@@ -260,9 +294,11 @@ def activation_bytes(
         per_micro_batch += mtp_bytes_per_token(m, tp, sp=sp, checkpointed=wrapped) * tokens
         if not wrapped:
             per_micro_batch += moe if m.is_moe_layer(layer) else dense
-    # The backward of the last micro-batch holds one block's gradients; a checkpointed block's
-    # own activations besides, recomputed.
-    transient = backward_transient_bytes_per_token(m, tp) * tokens
+    # The backward of the last micro-batch holds one block's gradients, the feed-forward's or,
+    # after they are freed, its attention's ring blocks in flight; a checkpointed block's own
+    # activations besides, recomputed.
+    ffn = backward_transient_bytes_per_token(m, tp) * tokens
+    transient = max(ffn, cp_transient_bytes(cfg, degrees))
     recompute = (big if n_checkpointed else 0) + transient
     return Activations(kept=in_flight * per_micro_batch, recompute=recompute)
 

@@ -104,3 +104,9 @@ def attention(m: ModelConfig) -> AttentionTerms:
     return (
         found if found is not None else _remember(_ATTENTION, key, family_of(m).attention_terms(m))
     )
+
+
+def attention_flops(m: ModelConfig, seq_len: int) -> int:
+    """Forward + backward FLOPs per trained token of causal attention (scores and weighted
+    values) over all blocks: what the family's count adds to its 6 per matmul weight."""
+    return flops(m, seq_len) - 6 * params(m).matmul

@@ -5,8 +5,9 @@ Compute: the honest FLOPs per token MFU uses (the family's counts, kiln/model/ll
 kiln/model/deepseek/counts.py: 6 per matmul weight a token goes through, MoE's top-k experts
 only, MLA's down- and up-projections, multi-token prediction's blocks and extra head passes,
 plus causal attention), times the recompute activation checkpointing adds (a block's forward is
-a third of its forward and backward; MTP's blocks by the blocks' rule), over the GPU's dense
-peak times `COMPUTE_EFFICIENCY`. A pipeline adds its schedule's idle share
+a third of its forward and backward; MTP's blocks by the blocks' rule), plus the attention
+forward ring attention runs again in every layer's backward, over the GPU's dense peak times
+`COMPUTE_EFFICIENCY`. A pipeline adds its schedule's idle share
 (kiln/parallel/pipeline_split.py's bubble formulas).
 
 Communication, bytes each GPU sends per step, per collective (a ring moves (n − 1)/n of the
@@ -17,7 +18,10 @@ tensor per GPU for an all-gather or reduce-scatter, twice that for an all-reduce
   tp                   sequence parallel's all-gather and reduce-scatter of the residual stream
                        around attention and the dense feed-forward, forward, backward and
                        recompute;
-  cp                   the keys and values each layer all-gathers (reduce-scatters in backward);
+  cp                   each layer's exchange (`cp_exchange_bytes`): the keys and values it
+                       all-gathers (reduce-scatters in backward), the all-to-alls of queries,
+                       keys, values and output, or the ring's blocks of keys and values (and
+                       their fp32 gradients in backward), forward, backward and recompute;
   ep                   the all-to-all of every routed token copy to its expert and back;
   pp                   activations to the next stage and gradients back, each micro-batch.
 A collective whose ranks sit inside one node runs on NVLink, one that spans nodes at the
@@ -27,7 +31,9 @@ outside in, so a dim's ranks span the product of its degree and the inner ones.
 Overlap rule: FSDP's all-gathers and reduce-scatters are prefetched and run on their own
 stream, so they hide behind the compute and only what exceeds it adds to the step; tensor,
 context, expert and pipeline transfers sit between the operations that need them (kiln runs
-them synchronously) and add in full.
+them synchronously) and add in full, but for the ring's: each of its steps sends a block while
+attending another, so only what a step's transfer takes beyond its block's attention adds
+(`cp_exposed_seconds`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from kiln.plan.activations import (
     cp_exchange_bytes,
     is_checkpointed,
     microbatch_tokens,
+    own_kv_bytes,
     pipeline_microbatches,
 )
 from kiln.plan.hardware import COMPUTE_EFFICIENCY, Cluster
@@ -91,13 +98,27 @@ def recompute_factor(cfg: JobConfig, degrees: dict[str, int]) -> float:
     return 1 + share / 3
 
 
+def ring_recompute_flops(cfg: JobConfig, degrees: dict[str, int]) -> float:
+    """FLOPs per token the ring adds: each step of its backward recomputes its block's attention
+    forward (a third of attention's forward and backward) before back-propagating through it."""
+    if degrees["cp"] == 1 or cfg.distributed.cp_mode != "ring":
+        return 0.0
+    return model_facts.attention_flops(cfg.model, cfg.train.seq_len) / 3
+
+
 def compute_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
     """One GPU's share of its data rank's tokens per step, at the achievable rate."""
     t = cfg.train
     tokens = t.batch_size * t.grad_accum_steps * t.seq_len
-    flops = tokens * model_facts.flops(cfg.model, t.seq_len) * recompute_factor(cfg, degrees)
+    per_token = model_facts.flops(cfg.model, t.seq_len) * recompute_factor(cfg, degrees)
+    flops = tokens * (per_token + ring_recompute_flops(cfg, degrees))
     per_gpu = flops / (degrees["tp"] * degrees["cp"] * degrees["pp"])
-    return per_gpu / (cluster.gpu.peak_flops * COMPUTE_EFFICIENCY)
+    return per_gpu / achievable_flops(cluster)
+
+
+def achievable_flops(cluster: Cluster) -> float:
+    """What one GPU computes per second: its dense peak at `COMPUTE_EFFICIENCY`."""
+    return cluster.gpu.peak_flops * COMPUTE_EFFICIENCY
 
 
 def ring_share(n: int) -> float:
@@ -190,14 +211,43 @@ def micro_batches_per_step(cfg: JobConfig, degrees: dict[str, int]) -> int:
 
 
 def cp_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
-    """Each layer exchanges over cp, each pass: the keys and values (bf16; MLA's expanded per
-    head) of its micro-batch's sequences (all_gather), or its queries, keys, values and output
-    re-split between the sequence and the heads (all_to_all): `cp_exchange_bytes`."""
+    """Each layer's exchange over cp (`cp_exchange_bytes`), in every forward (the recompute's
+    included) and backward: the keys and values (bf16; MLA's expanded per head) of its
+    micro-batch's sequences (all_gather), its queries, keys, values and output re-split
+    between the sequence and the heads (all_to_all), or its blocks of keys and values passed
+    around the ring, with their fp32 gradients in the backward (ring)."""
     if degrees["cp"] == 1:
         return 0.0
-    layers = model_facts.stage_blocks(cfg.model, degrees["pp"])
-    size = cp_exchange_bytes(cfg, degrees) * layers * layer_passes(cfg, degrees)
+    forwards = layer_passes(cfg, degrees) - 1
+    per_layer = forwards * cp_exchange_bytes(cfg, degrees)
+    per_layer += cp_exchange_bytes(cfg, degrees, backward=True)
+    size = per_layer * model_facts.stage_blocks(cfg.model, degrees["pp"])
     return size * micro_batches_per_step(cfg, degrees) / cluster.bandwidth(span(degrees, "cp"))
+
+
+def cp_exposed_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
+    """What of `cp_seconds` the step waits for: all of it, but for the ring's. Of its cp steps
+    a pass, the first cp − 1 each send one block (forward: its keys and values; backward: those
+    and the fp32 gradient of the block before, 3 blocks' bytes) while attending another, so a
+    step's transfer hides behind that block's attention (1/cp of the layer's; in the backward
+    its recompute and backward, 3 times the forward) and only what exceeds it adds; the
+    backward's last gradient, sent home after the last step, adds in full. Every layer is taken
+    to do the average layer's attention (a sliding window's layer does less: it hides less)."""
+    if degrees["cp"] == 1:
+        return 0.0
+    if cfg.distributed.cp_mode != "ring":
+        return cp_seconds(cfg, degrees, cluster)
+    cp, m = degrees["cp"], cfg.model
+    block = own_kv_bytes(cfg, degrees) / cluster.bandwidth(span(degrees, "cp"))
+    forward_flops = model_facts.attention_flops(m, cfg.train.seq_len) / model_facts.blocks(m) / 3
+    # One block's share of a layer's attention forward for this rank's tokens (heads over tp).
+    attend = microbatch_tokens(cfg, degrees) * forward_flops / degrees["tp"] / cp
+    attend /= achievable_flops(cluster)
+    forward = (cp - 1) * max(0.0, block - attend)
+    backward = (cp - 1) * max(0.0, 3 * block - 3 * attend) + 2 * block
+    per_layer = forward * (layer_passes(cfg, degrees) - 1) + backward
+    layers = model_facts.stage_blocks(m, degrees["pp"])
+    return per_layer * layers * micro_batches_per_step(cfg, degrees)
 
 
 def ep_seconds(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> float:
@@ -244,7 +294,9 @@ def step_time(cfg: JobConfig, degrees: dict[str, int], cluster: Cluster) -> Step
         "ep": ep_seconds(cfg, degrees, cluster),
         "pp": pp_seconds(cfg, degrees, cluster),
     }
-    exposed = exposed_seconds(compute, sum(comm.values()), sum(serial.values()))
+    # The ring's transfers are serial only where they outlast their block's attention.
+    waited = {**serial, "cp": cp_exposed_seconds(cfg, degrees, cluster)}
+    exposed = exposed_seconds(compute, sum(comm.values()), sum(waited.values()))
     comm.update({name: s for name, s in serial.items() if s})
     return StepTime(
         compute=compute,
