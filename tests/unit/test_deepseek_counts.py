@@ -19,13 +19,15 @@ from kiln.model.registry import family_of
 from kiln.plan import search as plan_search
 from kiln.plan.activations import (
     activation_bytes,
+    cp_exchange_bytes,
+    cp_held_bytes,
     gathered_kv_bytes,
     layer_bytes_per_token,
     logit_bytes,
 )
 from kiln.plan.hardware import find_gpu, make_cluster
 from kiln.plan.memory import estimate_memory, root_unit_params
-from kiln.plan.throughput import step_time
+from kiln.plan.throughput import ring_recompute_flops, step_time
 
 ONE = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
 
@@ -190,6 +192,16 @@ def test_mtp_and_mla_enter_the_planners_memory_and_flops_terms():
     assert on_step.flops_per_token == flops_per_token(m, 4096) > off_step.flops_per_token
     cp = {**ONE, "cp": 2, "tp": 8}
     assert gathered_kv_bytes(cfg, cp) == 2 * 4096 * 128 * (192 + 128) / 8
+    # The ring passes the same keys and values, a block of half the tokens at cp = 2: one send
+    # forward; backward one more and 2 of its fp32 gradient. It keeps its output (128 heads ×
+    # 128 values over tp) in fp32, and its backward runs attention's forward again: every
+    # block's, 61 and MTP's, over nope + rope = 192 and 128 values.
+    cfg.distributed.cp_mode = "ring"
+    block = 2 * 2048 * 128 * (192 + 128) / 8
+    assert cp_exchange_bytes(cfg, cp) == block
+    assert cp_exchange_bytes(cfg, cp, backward=True) == block + 2 * 2 * block
+    assert cp_held_bytes(cfg, cp) == 4 * 2048 * 128 * 128 / 8
+    assert ring_recompute_flops(cfg, cp) == 62 * 4096 * 128 * (192 + 128)
 
 
 def _cluster(gpus: int = 1024):

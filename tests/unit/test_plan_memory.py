@@ -15,6 +15,8 @@ from kiln.plan.activations import (
     Implementation,
     activation_bytes,
     backward_transient_bytes_per_token,
+    cp_exchange_bytes,
+    cp_held_bytes,
     gathered_kv_bytes,
     layer_bytes_per_token,
     logit_bytes,
@@ -129,6 +131,38 @@ def test_context_parallel_divides_the_tokens_but_keeps_the_whole_keys_and_values
     assert full.kept == 8 * 2 * 512 * tokens
     assert full.recompute == (LAYER + TRANSIENT) * tokens + gathered * 3 / 4
     assert gathered_kv_bytes(job("none"), ONE) == 0
+
+
+def test_each_cp_mode_keeps_and_sends_what_its_exchange_needs():
+    """cp=4, 512 tokens a rank (2 sequences × 1024 / 4). Its own keys and values are 512 × 1024
+    × 2 bytes = 1 MiB (a ring block), the whole sequences' 4 MiB."""
+    cp4, mib = {**ONE, "cp": 4}, 2**20
+    modes = {}
+    for mode in ("all_gather", "all_to_all", "ring"):
+        cfg = job("none")
+        cfg.distributed.cp_mode = mode
+        modes[mode] = cfg
+    held = {mode: cp_held_bytes(cfg, cp4) for mode, cfg in modes.items()}
+    # The all-gather keeps the other three ranks' 3 MiB; the all-to-all a second bf16 copy of
+    # its output (512 × 512 × 2); the ring its merged output in fp32 (512 × 512 × 4).
+    assert held == {"all_gather": 3 * mib, "all_to_all": mib / 2, "ring": mib}
+    sent = {mode: cp_exchange_bytes(cfg, cp4) for mode, cfg in modes.items()}
+    # Forward: the all-gather brings in 3 MiB, the ring sends 3 blocks of 1 MiB; the all-to-all
+    # 3/4 of its queries, keys, values and output (512 × 4 × 512 × 2 bytes).
+    assert sent == {"all_gather": 3 * mib, "all_to_all": 1.5 * mib, "ring": 3 * mib}
+    # Backward: the ring's 3 blocks again and the 4 sends of each block's fp32 gradient (2 MiB).
+    assert cp_exchange_bytes(modes["ring"], cp4, backward=True) == 3 * mib + 4 * 2 * mib
+    assert cp_exchange_bytes(modes["all_gather"], cp4, backward=True) == 3 * mib
+    ring = activation_bytes(modes["ring"], cp4)
+    assert ring.kept == 8 * (LAYER * 512 + mib)
+    # Attention's backward holds the block in hand and the one arriving (1 MiB each, bf16) and
+    # their fp32 gradients (2 MiB each): 6 MiB, more than the feed-forward's 7168 × 512 bytes,
+    # which are freed before it runs; the larger of the two.
+    assert ring.recompute == 6 * mib > TRANSIENT * 512
+    modes["ring"].train.activation_checkpointing = "full"
+    recomputed = activation_bytes(modes["ring"], cp4)
+    assert recomputed.kept == 8 * 2 * 512 * 512
+    assert recomputed.recompute == LAYER * 512 + mib + 6 * mib
 
 
 def test_fsdp_holds_the_largest_unit_in_flight_and_the_root_unit_for_the_step():

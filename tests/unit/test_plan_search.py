@@ -11,10 +11,19 @@ import pytest
 from kiln.cli import main
 from kiln.cli.plan import base_config
 from kiln.config import config_from_dict, load_config, validate
+from kiln.config.validate import collect_problems
 from kiln.model import count_params
 from kiln.plan.fault_tolerance import FailureInputs, as_dict, fault_tolerance
 from kiln.plan.hardware import find_gpu, make_cluster
-from kiln.plan.search import evaluate, factorizations, layout_config, search, with_batch
+from kiln.plan.search import (
+    CP_MODES,
+    PP_SCHEDULES,
+    evaluate,
+    factorizations,
+    layout_config,
+    search,
+    with_batch,
+)
 from tests.conftest import REPO
 
 
@@ -34,12 +43,42 @@ def test_every_ranked_candidate_is_valid_fits_and_is_in_order():
     base = config_from_dict({"model": {"preset": "llama3_1b"}, "train": {"seq_len": 2048}})
     cluster = make_cluster(find_gpu("a100"), 8, 4)
     result = search(base, cluster)
-    assert result.ranked and result.layouts <= len(factorizations(8)) * 2
+    # Each factorization once per pipeline schedule and context-parallel exchange at most.
+    per_layout = len(PP_SCHEDULES) * len(CP_MODES)
+    assert result.ranked and result.layouts <= len(factorizations(8)) * per_layout
     speeds = [c.step.tokens_per_sec for c in result.ranked]
     assert speeds == sorted(speeds, key=lambda s: -float(f"{s:.3g}"))
     for candidate in result.ranked[:20]:
         validate(candidate.cfg, 8)
         assert candidate.fits and candidate.memory.reserved < 80e9
+
+
+def test_each_cp_mode_wins_where_its_exchange_is_the_cheaper():
+    """Llama-3.1 8B at 128k on 32 H100s, one sequence per micro-batch: at cp = 2 the all-gather
+    (it moves and keeps little); at cp = 8 the all-to-all (8 KV heads split over 8 ranks, fewer
+    bytes); at cp = 16 (the heads do not divide) the ring, which keeps none of the 15/16 of
+    every layer's keys and values the all-gather holds and hides its sends behind attention,
+    despite recomputing each block's attention forward in its backward."""
+    base = base_config("llama3_8b_128k_32gpu.toml", None)
+    cluster = make_cluster(find_gpu("h100"), 32, 8)
+
+    def estimates(cp: int, ac: str) -> dict:
+        degrees = {"dp_replicate": 1, "dp_shard": 32 // cp, "cp": cp, "tp": 1, "pp": 1, "ep": 1}
+        found = {}
+        for mode in ("all_gather", "all_to_all", "ring"):
+            layout = layout_config(base, degrees, ("1f1b", 1), mode)
+            if not collect_problems(layout, 32):
+                found[mode] = evaluate(with_batch(layout, (1, 1, 0), ac), degrees, cluster)
+        return found
+
+    def fastest(found: dict) -> str:
+        return max(found, key=lambda mode: found[mode].step.tokens_per_sec)
+
+    assert fastest(estimates(2, "full")) == "all_gather"
+    assert fastest(estimates(8, "selective")) == "all_to_all"
+    sixteen = estimates(16, "none")
+    assert set(sixteen) == {"all_gather", "ring"} and fastest(sixteen) == "ring"
+    assert sixteen["ring"].memory.total < sixteen["all_gather"].memory.total
 
 
 def test_plan_json_and_the_recipe_it_writes_pass_kiln_check(capsys, tmp_path):

@@ -20,6 +20,7 @@ from kiln.plan.hardware import (
 from kiln.plan.search import evaluate
 from kiln.plan.throughput import (
     compute_seconds,
+    cp_exposed_seconds,
     cp_seconds,
     ep_seconds,
     fsdp_seconds,
@@ -111,6 +112,39 @@ def test_context_parallel_gathers_keys_and_values_each_layer_and_pass():
     whole = 2 * 2 * 512 * 2048
     expected = whole * 3 / 4 * 8 * 2 / NVLINK
     assert cp_seconds(cfg, {**ONE, "cp": 4}, cluster) == pytest.approx(expected)
+
+
+def test_the_ring_hides_its_sends_behind_each_block_s_attention_and_recomputes_it():
+    cfg = job("none")
+    cfg.distributed.cp_mode = "ring"
+    cp4, cluster = {**ONE, "cp": 4}, make_cluster(H100, 4, 8)
+    # Each of 8 layers: 3 sends of a 1 MiB block (512 tokens × k and v of 512, bf16) forward;
+    # backward 3 again and 4 of its fp32 gradient (2 MiB).
+    block = 2**20 / NVLINK
+    assert cp_seconds(cfg, cp4, cluster) == pytest.approx(8 * (3 + 3 + 4 * 2) * block)
+    # Causal attention forward, per token and layer: 1024 keys / 2 × 8 heads × (64 + 64) × 2.
+    forward = 1024 * 8 * 128
+    # Its backward runs each block's attention forward again: 8 layers more per token.
+    ring = compute_seconds(cfg, cp4, cluster)
+    cfg.distributed.cp_mode = "all_gather"
+    extra = 2048 * 8 * forward / 4 / (989e12 * COMPUTE_EFFICIENCY)
+    assert ring == pytest.approx(compute_seconds(cfg, cp4, cluster) + extra)
+    cfg.distributed.cp_mode = "ring"
+    # A step attends one block: 512 queries, a quarter of a layer's forward; at 1k tokens it is
+    # shorter than a send, which shows the difference (3 steps forward, 3 backward with 3 MiB
+    # beside 3 blocks' attention, and the last gradient home with nothing beside it).
+    attend = 512 * forward / 4 / (989e12 * COMPUTE_EFFICIENCY)
+    expected = 8 * (3 * (block - attend) + 3 * 3 * (block - attend) + 2 * block)
+    assert cp_exposed_seconds(cfg, cp4, cluster) == pytest.approx(expected)
+    # At 128k tokens (one sequence) a block's attention outlasts its send: only the last
+    # gradient is left, 2 × 32768 tokens × 1024 × 2 bytes a layer.
+    cfg.train.seq_len, cfg.train.batch_size = 131072, 1
+    home = 8 * 2 * 32768 * 1024 * 2 / NVLINK
+    assert cp_exposed_seconds(cfg, cp4, cluster) == pytest.approx(home)
+    step = step_time(cfg, cp4, cluster)
+    assert step.comm["cp"] == cp_seconds(cfg, cp4, cluster) > home
+    # FSDP's gathers over the 4 cp ranks hide behind the compute: the step waits for that only.
+    assert step.exposed == pytest.approx(home)
 
 
 def test_expert_parallel_sends_every_routed_copy_there_and_back():
