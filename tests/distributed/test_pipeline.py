@@ -41,17 +41,19 @@ PER_SEQUENCE = ("--train.batch_size=1", "--train.grad_accum_steps=8")
 TIED_PARAM_TOLERANCE = 1e-4
 M2 = "--distributed.pp_microbatches=2"
 # A batch ramp (docs/configuration.md) from one micro-batch of 4 sequences over the data ranks to
-# two, at step 7, after a sequence-length phase of 32 tokens for steps 1-2 (test_parity.py's
-# SCHEDULES): the one process it matches accumulates 2 × 4; the layout's own batch settings come
-# after these and win. The pipelined layout's passes change shape at step 3 (4 sequences of 32
-# per rank in 4 pipeline micro-batches, then 2 of 64 in 2): a schedule built for each.
+# two, at step 7, after two sequence-length phases, 16 tokens at step 1 and 32 at steps 2-5: the
+# one process it matches accumulates 2 × 4; the layout's own batch settings come after these and
+# win. The pipelined layout's passes take three shapes (8 sequences of 16 per rank in 8 pipeline
+# micro-batches, 4 of 32 in 4, 2 of 64 in 2), each with a schedule of its own; the held-out
+# evaluation at step 5 (`held_out`) runs at the recipe's shape mid-phase: the first phase's
+# schedule is dropped (two are kept) and the recipe's, built for evaluation, then trains.
 RAMP = (
     *L4,
     "--train.batch_size=4",
     "--train.grad_accum_steps=2",
     "--train.batch_schedule.tokens=[0, 1536]",
     "--train.batch_schedule.sequences=[4, 8]",
-    "--train.seq_len_schedule=[{seq_len=32, until_tokens=512}]",
+    "--train.seq_len_schedule=[{seq_len=16, until_tokens=256}, {seq_len=32, until_tokens=1280}]",
     "--scheduler.unit=tokens",
 )
 MASKED = (*L4, "--data.document_mask=true")
@@ -147,21 +149,31 @@ LAYOUTS = {
 }
 
 
-def layout_run(runs, layout):
+def layout_run(runs, layout, *extra):
     nproc, overrides, model = LAYOUTS[layout]
     batch = (
         [] if any("batch_size" in o for o in overrides) else [f"--train.batch_size={GLOBAL_BATCH}"]
     )
-    return runs(nproc, *batch, *model, *overrides)
+    return runs(nproc, *batch, *model, *extra, *overrides)
+
+
+def held_out(demo_data) -> tuple[str, ...]:
+    """Held-out loss at steps 5 (in the second phase, at the recipe's shape) and 10."""
+    return ("--eval.interval=5", "--eval.steps=1", f"--eval.path={demo_data}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_pipeline_matches_one_process(layout, references, runs):
+def test_pipeline_matches_one_process(layout, references, runs, demo_data):
     model = LAYOUTS[layout][2]
     tied = "--model.tie_embeddings=true" in model
-    expected = references(*model, *(PER_SEQUENCE if tied else ()))
+    extra = held_out(demo_data) if model is RAMP else ()
+    expected = references(*model, *extra, *(PER_SEQUENCE if tied else ()))
     tolerance = TIED_PARAM_TOLERANCE if tied else TOLERANCE
-    assert_parity(records(layout_run(runs, layout)), expected, param_tolerance=tolerance)
+    got = records(layout_run(runs, layout, *extra))
+    assert_parity(got, expected, param_tolerance=tolerance)
+    for step in (5, 10) if extra else ():
+        # fp32, the same sequences summed in another order over ranks and micro-batches.
+        assert got[step]["eval/loss"] == pytest.approx(expected[step]["eval/loss"], rel=TOLERANCE)
 
 
 def test_pipelined_checkpoint_resumes_in_one_process(references, runs, train, tmp_path):
