@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kiln.config.sections import ModelConfig
-from kiln.model.document_mask import DocumentMask
+from kiln.model.document_mask import LayerMask
 from kiln.model.feed_forward import FeedForward
 from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache
@@ -38,7 +38,7 @@ class DecoderBlock(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         *,
-        mask: DocumentMask | None = None,
+        mask: LayerMask | None = None,
         context_parallel: SequenceGathers | None = None,
         moe_scale: AuxLossScale | None = None,
     ) -> torch.Tensor:

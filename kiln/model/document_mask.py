@@ -8,8 +8,9 @@ use; which kernel runs them is decided in `_build`. Without document ids a windo
 only on the shapes and is built once (`causal_mask`).
 
 Under context parallel a rank's queries are some chunks of the sequence and its keys the whole
-sequence, gathered in rank order: `build_position_mask` masks by global positions instead of by
-index (kiln/parallel/context_parallel.py).
+sequence, gathered in rank order (or, for ring attention, each cp rank's block of keys in turn):
+`build_position_mask` masks by global positions instead of by index
+(kiln/parallel/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from kiln.model.forward_args import SequenceGathers
 Kernel = Literal["auto", "sdpa", "flex"]
 # A boolean (batch, 1, queries, keys) mask for SDPA, or a block-sparse mask for flex attention.
 DocumentMask = torch.Tensor | BlockMask
+# What a layer is given: one mask, or (ring attention) one per cp rank's block of keys.
+LayerMask = DocumentMask | tuple[DocumentMask, ...]
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -123,43 +126,54 @@ def masked_attention(
     """Grouped-query attention of (batch, heads, seq, head_dim) tensors under `mask`; `scale`:
     the softmax's (None: 1 / sqrt(head_dim)); `sinks`: one logit per head (of these heads)
     that joins every query's softmax with no value of its own."""
+    if sinks is not None:
+        return with_sinks(*attention_with_lse(q, k, v, mask, scale=scale), sinks)
     if isinstance(mask, BlockMask):
-        # Inside a compiled block, flex attention compiles with the block; called eagerly on
-        # CUDA it needs its own compile.
-        standalone = q.device.type == "cuda" and not torch.compiler.is_compiling()
-        flex = _compiled(flex_attention) if standalone else flex_attention
-        if sinks is None:
-            return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
-        out, aux = flex(
-            q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
-        )
-        lse = aux.lse
-        # With the sink in the softmax every weight shrinks by Z / (Z + e^sink), Z = e^lse.
-        kept = torch.sigmoid(lse - sinks.view(1, -1, 1).to(lse.dtype))
-        return out * kept.unsqueeze(-1).to(out.dtype)
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return _dense_attention_with_sinks(q, k, v, mask, scale=scale, sinks=sinks)
+        return _flex(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def _dense_attention_with_sinks(
+def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: DocumentMask,
     *,
-    scale: float | None,
-    sinks: torch.Tensor,
-) -> torch.Tensor:
-    """The softmax written out with the sink as one more column (SDPA has no place for it):
-    the kernel of CPU runs, where the scores of a sequence fit in memory."""
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`masked_attention`'s output and each query's log-sum-exp of its scores (batch, heads,
+    queries; fp32 or wider): -inf, with an output of zeros, for a query that sees no key under `mask`.
+    Both differentiable: attention sinks and ring attention's merge of blocks use the lse."""
+    if isinstance(mask, BlockMask):
+        out, aux = _flex(q)(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
+        )
+        return out, aux.lse
+    # SDPA returns no lse: the softmax written out, the kernel of CPU runs, where the scores of
+    # a sequence fit in memory.
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5)
+    at_least_fp32 = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-1, -2)).to(at_least_fp32) * (scale or q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return weights.to(v.dtype) @ v
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row with no visible key: weights exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
+    weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return weights.to(v.dtype) @ v, lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention's output with one sink logit per head joined to every query's softmax: each
+    weight shrinks by Z / (Z + e^sink), Z = e^lse, i.e. by σ(lse − sink)."""
+    kept = torch.sigmoid(lse - sinks.view(1, -1, 1).to(lse.dtype))
+    return out * kept.unsqueeze(-1).to(out.dtype)
+
+
+def _flex(q: torch.Tensor) -> Callable:
+    """Flex attention: inside a compiled block it compiles with the block; called eagerly on
+    CUDA it needs its own compile."""
+    standalone = q.device.type == "cuda" and not torch.compiler.is_compiling()
+    return _compiled(flex_attention) if standalone else flex_attention
 
 
 @functools.cache
@@ -218,16 +232,16 @@ def layer_masks(
     context_parallel: SequenceGathers | None,
     *,
     windows: tuple[int, ...] = (0,),
-) -> dict[int, DocumentMask] | None:
+) -> dict[int, LayerMask] | None:
     """The masks the layers of a forward share, one per window they use (0: none); None: no
     mask from the data (plain causal attention over whole sequences, or a mask that depends
     only on the shapes, `causal_mask`). With `positions` (context parallel) the keys are the
-    whole sequence's."""
+    whole sequence's, in one mask or (ring) one per cp rank's block of keys."""
     if positions is None:
         if document_ids is None:
             return None
         return {w: build_document_mask(document_ids, window=w) for w in windows}
-    key_positions, key_ids = positions, document_ids
+    key_positions, key_ids, blocks = positions, document_ids, 1
     if context_parallel is not None:
         key_positions = context_parallel.gather_sequence(positions)
         if document_ids is not None:
@@ -236,9 +250,15 @@ def layer_masks(
         positions = context_parallel.query_sequence(positions, key_positions)
         if document_ids is not None:
             document_ids = context_parallel.query_sequence(document_ids, key_ids)
-    return {
-        w: build_position_mask(
-            positions, key_positions, ids=document_ids, key_ids=key_ids, window=w
+        blocks = context_parallel.key_blocks
+    position_blocks = key_positions.chunk(blocks, dim=1)
+    id_blocks = key_ids.chunk(blocks, dim=1) if key_ids is not None else (None,) * blocks
+
+    def window_masks(window: int) -> LayerMask:
+        masks = tuple(
+            build_position_mask(positions, p, ids=document_ids, key_ids=i, window=window)
+            for p, i in zip(position_blocks, id_blocks, strict=True)
         )
-        for w in windows
-    }
+        return masks[0] if blocks == 1 else masks
+
+    return {w: window_masks(w) for w in windows}

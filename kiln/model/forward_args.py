@@ -6,9 +6,12 @@ of a model's own losses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kiln.model.document_mask import LayerMask
 
 
 @dataclass(frozen=True)
@@ -38,16 +41,23 @@ class LossScale:
 
 class SequenceGathers(Protocol):
     """Context parallel's collectives (kiln/parallel/context_parallel.py), as a model uses them:
-    the exchange before attention and its inverse after, the heads a rank attends with, and the
-    positions and document ids of the queries and keys for the mask."""
+    attention over the whole sequences from this rank's part of them, and the positions and
+    document ids of the queries and keys for the mask."""
 
-    def exchange(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    # How many blocks the keys are attended in: 1 (the whole sequences at once) or one per cp
+    # rank (ring attention), each with its own mask.
+    key_blocks: int
 
-    def restore(self, out: torch.Tensor) -> torch.Tensor: ...
-
-    def own_heads(self, per_head: torch.Tensor) -> torch.Tensor: ...
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: LayerMask,
+        *,
+        scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def gather_sequence(self, values: torch.Tensor) -> torch.Tensor: ...
 

@@ -6,15 +6,17 @@ a causal mask a query's work grows with its position, so pairing an early chunk 
 gives every rank the same work (head–tail balancing, as Llama 3's training did).
 
 Everything per token (embedding, feed-forward, norms, loss) then runs on the local tokens only.
-Attention needs every key, in one of two ways (`distributed.cp_mode`):
+Attention needs every key, in one of three ways (`distributed.cp_mode`):
 
 - `all_gather`: each layer all-gathers its post-RoPE keys and values over cp (one collective for
   both; autograd turns it into a reduce-scatter in backward) and attends with its local queries.
+- `ring`: the keys and values go from rank to rank, one block per step, overlapped with the
+  attention of the block at hand; the partial results merge by log-sum-exp (ring_attention.py).
 - `all_to_all` (DeepSpeed-Ulysses): each layer re-splits its queries, keys and values from
   the sequence to the heads (an all-to-all each), attends over the whole sequence with 1/cp of
   the heads, and re-splits the output back to the sequence.
 
-Either way the mask is built from global positions and document ids. The model applies RoPE at
+Every way the mask is built from global positions and document ids. The model applies RoPE at
 the global positions `shard_batch` adds to its inputs, and gathers those positions and the
 document ids once per forward to build the mask for every layer. The training step passes a
 `ContextParallel` to the model's forward (`context_parallel=`), which hands it to its layers.
@@ -32,7 +34,9 @@ from torch.distributed import _functional_collectives
 from torch.distributed.device_mesh import DeviceMesh
 
 from kiln.config.sections import CpMode
+from kiln.model.document_mask import LayerMask, masked_attention, with_sinks
 from kiln.model.parallel_plan import ParallelPlan, blocks_of
+from kiln.parallel.ring_attention import Ring, ring_attention
 
 # The differentiable all-gather along dim 0: torch 2.13 names it `all_gather_single_autograd`,
 # torch 2.11 `all_gather_tensor_autograd` (a feature check, not a version check).
@@ -74,6 +78,8 @@ class ContextParallel:
     def __init__(self, cp_mesh: DeviceMesh, *, mode: CpMode = "all_gather"):
         self.group, self.mode = cp_mesh.get_group(), mode
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.key_blocks = self.size if mode == "ring" else 1
+        self.ring = Ring(self.group, rank=self.rank, size=self.size) if mode == "ring" else None
 
     def shard_batch(
         self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
@@ -89,31 +95,34 @@ class ContextParallel:
         local["positions"] = positions.expand(batch, -1)
         return inputs[:, positions], labels[:, positions], local
 
-    def exchange(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values (batch, heads, local seq, width) as attention takes them:
-        the local queries and the whole sequences' keys and values (all_gather), or 1/cp of the
-        heads of all three over the whole sequences (all_to_all), in rank order either way."""
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: LayerMask,
+        *,
+        scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of this rank's queries, keys and values (batch, heads, local seq, width)
+        over the whole sequences, under `mask` (one per cp rank's keys for the ring); the output
+        for this rank's tokens and every head. `sinks`: one logit per head."""
+        if self.mode == "ring":
+            out, lse = ring_attention(q, k, v, mask, ring=self.ring, scale=scale)
+            return out if sinks is None else with_sinks(out, lse, sinks)
         if self.mode == "all_gather":
-            return (q, *self.gather_kv(k, v))
-        return tuple(self._to_heads(t) for t in (q, k, v))
-
-    def restore(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention's output back to this rank's tokens and every head (all_to_all)."""
-        return out if self.mode == "all_gather" else self._to_sequence(out)
-
-    def own_heads(self, per_head: torch.Tensor) -> torch.Tensor:
-        """The entries of a per-head tensor (attention sinks) for the heads this rank attends."""
-        if self.mode == "all_gather":
-            return per_head
-        return per_head.chunk(self.size)[self.rank]
+            return masked_attention(q, *self.gather_kv(k, v), mask, scale=scale, sinks=sinks)
+        q, k, v = (self._to_heads(t) for t in (q, k, v))
+        own_sinks = sinks.chunk(self.size)[self.rank] if sinks is not None else None
+        out = masked_attention(q, k, v, mask, scale=scale, sinks=own_sinks)
+        return self._to_sequence(out)
 
     def query_sequence(self, values: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
         """Per-token integers of the queries this rank attends with, given its own (`values`)
         and the whole sequences' (`gathered`, from `gather_sequence`): its own tokens'
-        (all_gather) or all of them (all_to_all)."""
-        return values if self.mode == "all_gather" else gathered
+        (all_gather, ring) or all of them (all_to_all)."""
+        return gathered if self.mode == "all_to_all" else values
 
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, heads, local seq, width) -> (batch, heads / cp, seq, width): head group r to

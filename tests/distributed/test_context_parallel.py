@@ -2,9 +2,13 @@
 with plain causal attention and with document masking.
 
 Each cp rank keeps 2 of 2·cp chunks of every sequence (head-tail), applies RoPE at the global
-positions and attends over the keys and values all-gathered from the other cp ranks, under a mask
-by global positions (and document ids). The cp ranks read the same batches, so each layout runs
-the reference's global batch of 8 with batch_size = 8 / (data ranks)."""
+positions and attends over the whole sequences' keys and values, all-gathered (the default),
+passed around the ring or re-split over heads (distributed.cp_mode), under a mask by global
+positions (and document ids). The cp ranks read the same batches, so each layout runs the
+reference's global batch of 8 with batch_size = 8 / (data ranks). Each mode meets the other
+dimensions somewhere: FSDP over cp (all), pp (all-gather, ring), tp (all-to-all; all-gather in
+test_moe_parity.py), ep and MoE (ring), full AC (ring), compile (all-gather, ring), MLA
+(test_deepseek_parity.py: all three)."""
 
 import pytest
 
@@ -23,7 +27,18 @@ from tests.distributed.test_parity import QWEN3
 LAYOUTS = {
     # Saves checkpoints: test_checkpoint_from_cp_resumes_in_one_process continues them.
     "cp=2": (2, ["--distributed.cp=2", "--train.batch_size=8", SAVE]),
-    "cp=4": (4, ["--distributed.cp=4", "--train.batch_size=8"]),
+    # Ring attention over four ranks: each rank's keys and values travel three steps in
+    # forward and again in backward, recomputed (with the ring) under full activation
+    # checkpointing.
+    "cp=4 ring, full AC": (
+        4,
+        [
+            "--distributed.cp=4",
+            "--distributed.cp_mode=ring",
+            "--train.batch_size=8",
+            "--train.activation_checkpointing=full",
+        ],
+    ),
     # All-to-all over heads (DeepSpeed-Ulysses): 2 of the 4 query heads and 1 of the 2 KV heads
     # per rank, over the whole sequence.
     "cp=2 all-to-all x dp_shard=2, Qwen3-shaped": (
@@ -40,6 +55,15 @@ LAYOUTS = {
         ],
     ),
     "cp=2 x pp=2": (4, ["--distributed.cp=2", "--distributed.pp=2", "--train.batch_size=8"]),
+    "cp=2 ring x pp=2": (
+        4,
+        [
+            "--distributed.cp=2",
+            "--distributed.cp_mode=ring",
+            "--distributed.pp=2",
+            "--train.batch_size=8",
+        ],
+    ),
 }
 MASKS = {"causal": (), "document mask": ("--data.document_mask=true",)}
 # The model of a layout where it is not the debug one: Qwen3-shaped (test_parity.py's QWEN3).
@@ -81,12 +105,23 @@ def test_the_document_mask_changes_the_run(references, demo_data):
 
 
 def test_moe_with_expert_parallel_matches_one_process(runs):
-    """debug_moe at cp=2 × ep=2: each cp rank routes its chunks of the sequences; the Switch
-    loss's expert counts are summed over the cp ranks too, the sequence-wise loss's over the
-    parts of each sequence."""
-    got = records(runs(4, "--distributed.cp=2", "--distributed.ep=2", "--train.batch_size=4", *MOE))
+    """debug_moe at cp=2 (ring) × ep=2: each cp rank routes its chunks of the sequences; the
+    Switch loss's expert counts are summed over the cp ranks too, the sequence-wise loss's over
+    the parts of each sequence. (MoE blocks under the all-gather: test_moe_parity.py's compiled
+    cp=2 × tp=2 layout.)"""
+    ring = ("--distributed.cp=2", "--distributed.cp_mode=ring", "--distributed.ep=2")
+    got = records(runs(4, *ring, "--train.batch_size=4", *MOE))
     expected = records(runs(1, f"--train.batch_size={GLOBAL_BATCH}", *MOE))
     assert_moe_parity(got, expected)
+
+
+def test_ring_in_compiled_blocks_matches_one_process(runs, references):
+    """Blocks compiled around the ring: its sends and receives run eagerly inside the compiled
+    block (a graph break), the rest of the block compiled (the all-gather's compiled layout:
+    test_moe_parity.py)."""
+    ring = ("--distributed.cp=2", "--distributed.cp_mode=ring", "--train.batch_size=8")
+    got = records(runs(2, *ring, "--train.compile=true"))
+    assert_parity(got, references())
 
 
 def test_checkpoint_from_cp_resumes_in_one_process(reference, runs, train, tmp_path):

@@ -38,6 +38,11 @@ LAYOUTS = {
         ["--distributed.ep=2", "--distributed.tp=2", "--train.batch_size=4"],
     ),
     "cp=2": (2, ["--distributed.cp=2", "--train.batch_size=8"]),
+    # MLA's keys (nope + rope wide) and values (narrower) travel the ring as one buffer.
+    "cp=2 ring": (
+        2,
+        ["--distributed.cp=2", "--distributed.cp_mode=ring", "--train.batch_size=8"],
+    ),
     # MLA's queries and keys (nope + rope wide) and values (narrower) each re-split over heads.
     "cp=2 all-to-all": (
         2,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config.sections import ModelConfig
-from kiln.model.document_mask import DocumentMask, masked_attention
+from kiln.model.document_mask import LayerMask, masked_attention
 from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache, prefix_causal_mask
 from kiln.model.rope import apply_rope, yarn_mscale
@@ -59,7 +59,7 @@ class MultiHeadLatentAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         *,
-        mask: DocumentMask | None = None,
+        mask: LayerMask | None = None,
         context_parallel: SequenceGathers | None = None,
     ) -> torch.Tensor:
         """x (batch, seq, dim) -> (batch, seq, dim); the arguments as the Llama family's."""
@@ -89,8 +89,8 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         if context_parallel is not None:
-            q, k, v = context_parallel.exchange(q, k, v)
-        if mask is not None:
+            out = context_parallel.attend(q, k, v, mask, scale=self.scale)
+        elif mask is not None:
             out = masked_attention(q, k, v, mask, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(
@@ -101,6 +101,4 @@ class MultiHeadLatentAttention(nn.Module):
                 is_causal=start == 0,
                 scale=self.scale,
             )
-        if context_parallel is not None:
-            out = context_parallel.restore(out)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

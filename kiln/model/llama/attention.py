@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
-from kiln.model.document_mask import DocumentMask, causal_mask, masked_attention
+from kiln.model.document_mask import LayerMask, causal_mask, masked_attention
 from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache, prefix_causal_mask
 from kiln.model.rope import apply_rope
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         *,
-        mask: DocumentMask | None = None,
+        mask: LayerMask | None = None,
         context_parallel: SequenceGathers | None = None,
     ) -> torch.Tensor:
         """`context_parallel`: exchanges with the cp ranks that hold the sequence's other parts
@@ -77,13 +77,12 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)
         sinks = self.sinks.local() if self.sinks is not None else None
         if context_parallel is not None:
-            q, k, v = context_parallel.exchange(q, k, v)
-            sinks = context_parallel.own_heads(sinks) if sinks is not None else None
-        if mask is None and (self.window or sinks is not None):
-            # No mask from the data: the window's (or plain causal, for the sinks) by shape.
-            keys = k.shape[2]
-            mask = causal_mask(seq, keys, start=start, window=self.window, device=q.device)
-        if mask is not None:
+            # Its masks come from the global positions, always (kiln/model/document_mask.py).
+            out = context_parallel.attend(q, k, v, mask, sinks=sinks)
+        elif mask is not None or self.window or sinks is not None:
+            if mask is None:  # no mask from the data: the window's (or plain causal) by shape
+                keys = k.shape[2]
+                mask = causal_mask(seq, keys, start=start, window=self.window, device=q.device)
             out = masked_attention(q, k, v, mask, sinks=sinks)
         else:
             out = F.scaled_dot_product_attention(
@@ -94,6 +93,4 @@ class Attention(nn.Module):
                 is_causal=start == 0,
                 enable_gqa=True,
             )
-        if context_parallel is not None:
-            out = context_parallel.restore(out)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
