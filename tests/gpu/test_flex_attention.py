@@ -16,12 +16,14 @@ from kiln.config import ModelConfig
 from kiln.model import build_model, materialize
 from kiln.model import document_mask as document_mask_module
 from kiln.model.document_mask import (
+    attention_with_lse,
     build_document_mask,
     build_position_mask,
     document_ids,
     masked_attention,
 )
 from kiln.parallel.context_parallel import load_balanced_positions
+from kiln.parallel.ring_attention import _block_gradients, _merge
 
 EOS = 0
 # Not a multiple of flex attention's 128-token blocks: the last block is ragged.
@@ -199,3 +201,60 @@ def _with_window(kind: str, device: torch.device, kernel: str):
         patch.setattr(document_mask_module, "_build", windowed)
         _, _, _, dense, block = case(kind, device, grad=False)
     return dense if kernel == "sdpa" else block
+
+
+@quiet_flex
+def test_ring_blocks_on_flex_merge_to_attention_over_all_keys(device: torch.device) -> None:
+    """What ring attention computes on each rank (kiln/parallel/ring_attention.py), its sends
+    and receives aside (the CPU parity suite proves those): cp rank 1's queries over each cp
+    rank's block of keys under that block's flex mask (documents: some queries see no key of a
+    block, lse −inf), merged by log-sum-exp, against flex over all the keys at once; on CUDA
+    the per-block gradients (flex's through its lse) summed against the whole one's. fp32; the
+    bands are the ones above."""
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 8, (BATCH, SEQ), generator=generator)
+    ids = document_ids(tokens, EOS).to(device)
+    mine = load_balanced_positions(SEQ, CP, 1).to(device)
+    blocks = [load_balanced_positions(SEQ, CP, r).to(device) for r in range(CP)]
+    keys = torch.cat(blocks)
+    grad = device.type == "cuda"
+    q, k, v = (
+        torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=generator).to(device)
+        for heads in (HEADS, KV_HEADS, KV_HEADS)
+    )
+    q, k, v = q[:, :, mine].requires_grad_(grad), k[:, :, keys].detach(), v[:, :, keys].detach()
+    k, v = k.requires_grad_(grad), v.requires_grad_(grad)
+
+    def mask(key_positions: torch.Tensor):
+        return build_position_mask(
+            mine.expand(BATCH, -1), key_positions.expand(BATCH, -1), ids=ids[:, mine],
+            key_ids=ids[:, key_positions], kernel="flex",
+        )  # fmt: skip
+
+    local = len(mine)
+    parts = [slice(r * local, (r + 1) * local) for r in range(CP)]
+    masks = [mask(block) for block in blocks]
+    whole_out, whole_lse = attention_with_lse(q, k, v, mask(keys))
+    out = lse = None
+    with torch.no_grad():
+        for part, block_mask in zip(parts, masks, strict=True):
+            out_j, lse_j = attention_with_lse(q, k[:, :, part], v[:, :, part], block_mask)
+            out, lse = _merge(out, lse, out_j.float(), lse_j)
+    assert (out - whole_out).abs().max().item() <= FORWARD_ATOL
+    # The lse here is about log(150 keys) + 1/2 ≈ 5.5, its fp32 rounding under 1e-6.
+    assert (lse - whole_lse).abs().max().item() <= FORWARD_ATOL
+    if not grad:
+        return
+    d_out = torch.randn(out.shape, generator=generator).to(device)
+    d_lse = torch.randn(lse.shape, generator=generator).to(device)
+    expected = torch.autograd.grad((whole_out, whole_lse), (q, k, v), (d_out, d_lse))
+    d_out_dot_out = (d_out * out).sum(-1)
+    d_q, d_k, d_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for part, block_mask in zip(parts, masks, strict=True):
+        g_q, g_k, g_v = _block_gradients(
+            q, k[:, :, part], v[:, :, part], block_mask, None, d_out, d_out_dot_out, d_lse, lse
+        )
+        d_q += g_q
+        d_k[:, :, part], d_v[:, :, part] = g_k, g_v
+    for a, b, name in zip((d_q, d_k, d_v), expected, ("q", "k", "v"), strict=True):
+        assert (a - b).abs().max().item() <= GRADIENT_ATOL * max(1.0, b.abs().max().item()), name
