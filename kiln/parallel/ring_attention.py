@@ -10,7 +10,8 @@ their log-sum-exp: with L = logaddexp(l, l_j), out = out·e^(l − L) + out_j·e
 The backward passes the blocks around the ring again. Each block's gradient accumulates as the
 block travels and arrives home at the end, so no rank ever holds more than two blocks of keys
 and values (the one it attends and the one arriving) and two of their gradients. Nothing of the
-other ranks' keys and values is kept for the backward: each step recomputes its block's
+other ranks' keys and values is kept for the backward, only what attention over the rank's own
+keys would keep (its q, k, v, output and log-sum-exp): each step recomputes its block's
 attention (one attention forward more per layer than the all-gather) and back-propagates
 through it with the weights the merge gave it. With o_j, l_j a block's output and lse and w_j =
 e^(l_j − L) its weight, out = Σ w_j·o_j and L = log Σ e^(l_j), so the block receives
@@ -96,14 +97,18 @@ class _RingAttention(torch.autograd.Function):
             out, lse = _merge(out, lse, out_j.to(_accumulated(q)), lse_j)
             if arriving is not None:
                 blocks = arriving.wait()
+        # The output as returned (bf16 under autocast), not its fp32 sum: half the bytes, and
+        # the rounding FlashAttention's backward also accepts in ⟨dout, out⟩.
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.masks, ctx.ring, ctx.scale = masks, ring, scale
-        return out.to(q.dtype), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
         ring, width = ctx.ring, k.shape[-1]
+        out = out.to(_accumulated(q))
         d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)
         d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
         # ⟨dout, out⟩ per query, the part of ⟨dout, o_j − out⟩ every block shares.
