@@ -63,13 +63,18 @@ def why(result: PlanResult) -> str:
     s, memory = best.step, best.memory
     capacity = result.cluster.gpu.memory_bytes
     hidden = sum(v for k, v in s.comm.items() if k.startswith(("fsdp", "hsdp")))
+    overlaps = [f"FSDP's {hidden:.2f} s overlaps the compute"] if hidden else []
+    if best.degrees["cp"] > 1 and best.cfg.distributed.cp_mode == "ring":
+        overlaps.append(
+            f"the ring's {s.comm['cp']:.2f} s its attention, all but what a send outlasts"
+        )
     parts = [
         f"{best.key} with AC {best.cfg.train.activation_checkpointing!r} is the fastest layout "
         f"that fits ({memory.total / GB:.1f} GB of {capacity / GB:.0f}, largest term "
         f"{biggest(memory.terms())}): a step is {s.compute:.2f} s of compute"
         + (f" + {s.bubble:.2f} s pipeline bubble" if s.bubble else "")
         + f" + {s.exposed:.2f} s of communication left exposed"
-        + (f" (FSDP's {hidden:.2f} s overlaps the compute)" if hidden else "")
+        + (f" ({'; '.join(overlaps)})" if overlaps else "")
     ]
     if len(distinct(result.ranked, 2)) > 1:
         other = distinct(result.ranked, 2)[-1]

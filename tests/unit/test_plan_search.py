@@ -15,9 +15,11 @@ from kiln.config.validate import collect_problems
 from kiln.model import count_params
 from kiln.plan.fault_tolerance import FailureInputs, as_dict, fault_tolerance
 from kiln.plan.hardware import find_gpu, make_cluster
+from kiln.plan.report import why
 from kiln.plan.search import (
     CP_MODES,
     PP_SCHEDULES,
+    PlanResult,
     evaluate,
     factorizations,
     layout_config,
@@ -79,6 +81,9 @@ def test_each_cp_mode_wins_where_its_exchange_is_the_cheaper():
     sixteen = estimates(16, "none")
     assert set(sixteen) == {"all_gather", "ring"} and fastest(sixteen) == "ring"
     assert sixteen["ring"].memory.total < sixteen["all_gather"].memory.total
+    ring = sixteen["ring"]
+    reason = why(PlanResult(cluster, [ring], considered=1, layouts=1))
+    assert f"the ring's {ring.step.comm['cp']:.2f} s its attention, all but what a send" in reason
 
 
 def test_plan_json_and_the_recipe_it_writes_pass_kiln_check(capsys, tmp_path):
