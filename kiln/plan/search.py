@@ -1,5 +1,5 @@
 """`kiln plan`'s search: every layout the validator accepts for the GPUs (with context parallel,
-each of its exchanges: all-gather or all-to-all), every activation checkpointing mode and
+each of its exchanges: all-gather, ring or all-to-all), every activation checkpointing mode and
 micro-batch size; drop what does not fit, rank the rest by tokens/s.
 
 A layout is a factorization of the GPU count into dp_replicate × dp_shard × cp × tp × pp × ep
