@@ -173,26 +173,23 @@ def own_kv_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
 
 def cp_held_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:
     """Bytes one attention layer keeps for its backward beyond its own tokens' activations, per
-    micro-batch, for context parallel's exchange (distributed.cp_mode): `all_gather`
+    micro-batch (bf16), for context parallel's exchange (distributed.cp_mode): `all_gather`
     keeps the other cp ranks' keys and values; `all_to_all` keeps the attention's output twice,
     over the heads (attention's own) and back over the sequence (the output projection's
     input, a new buffer where the all-gather's is a view): one more output of its own tokens
     (benchmarks/context_parallel.md measured both). Its re-split queries, keys and values stand
-    in for the local ones attention would keep (as many numbers). `ring` keeps its own tokens'
-    queries, keys, values and log-sum-exp, which the layer counts already, and its merged output
-    in fp32 (kiln/parallel/ring_attention.py), besides the bf16 copy the output projection
-    takes: 4 bytes per number of its own tokens' output, nothing of the other ranks' keys and
+    in for the local ones attention would keep (as many numbers). `ring` keeps what attention
+    over its own keys would (its queries, keys, values and log-sum-exp), and its output as it
+    returns it, over the heads, besides the output projection's copy over the sequence
+    (kiln/parallel/ring_attention.py): one more output too, nothing of the other ranks' keys and
     values."""
     cp = degrees["cp"]
     if cp == 1:
         return 0.0
-    mode = cfg.distributed.cp_mode
-    if mode == "all_gather":
+    if cfg.distributed.cp_mode == "all_gather":
         return gathered_kv_bytes(cfg, degrees) * (cp - 1) / cp
     output = model_facts.attention(cfg.model).output_width / degrees["tp"]
-    # Per number of the output: the all-to-all's second bf16 copy, the ring's fp32 merge.
-    per_number = 4 if mode == "ring" else 2
-    return per_number * microbatch_tokens(cfg, degrees) * output
+    return 2 * microbatch_tokens(cfg, degrees) * output
 
 
 def cp_transient_bytes(cfg: JobConfig, degrees: dict[str, int]) -> float:

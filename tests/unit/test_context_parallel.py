@@ -139,10 +139,11 @@ def test_kiln_check_describes_the_split(capsys):
     assert main([*args, "--distributed.cp_mode=ring"]) == 0
     out = capsys.readouterr().out
     # A block is a quarter of the 512 MiB; backward sends the 3 again and 4 fp32 gradients of
-    # 256 MiB. Kept: 32,768 tokens × 4096 outputs in fp32; in flight: 2 blocks and 2 gradients.
+    # 256 MiB. Kept: 32,768 tokens × 4096 outputs in bf16; in flight: 2 blocks and 2 gradients.
     assert "3 sends of a 128.0 MiB block (384.0 MiB)" in out
     assert "1,408.0 MiB in backward" in out
-    assert "only its merged output in fp32 (512.0 MiB)" in out and "768.0 MiB in backward" in out
+    assert "one more copy of its own tokens' output (256.0 MiB" in out
+    assert "768.0 MiB in backward" in out
     # Attention's forward, 32 layers × 131,072 / 2 keys × 32 heads × 256 × 2 = 3.4e10 a token,
     # over the model's 6 × 7.5e9 matmul + 3 × 3.4e10 attention, × 4/3 for full checkpointing.
     assert "17% more FLOPs here" in out

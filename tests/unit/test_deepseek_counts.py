@@ -193,14 +193,14 @@ def test_mtp_and_mla_enter_the_planners_memory_and_flops_terms():
     cp = {**ONE, "cp": 2, "tp": 8}
     assert gathered_kv_bytes(cfg, cp) == 2 * 4096 * 128 * (192 + 128) / 8
     # The ring passes the same keys and values, a block of half the tokens at cp = 2: one send
-    # forward; backward one more and 2 of its fp32 gradient. It keeps its output (128 heads ×
-    # 128 values over tp) in fp32, and its backward runs attention's forward again: every
-    # block's, 61 and MTP's, over nope + rope = 192 and 128 values.
+    # forward; backward one more and 2 of its fp32 gradient. It keeps a second bf16 copy of its
+    # output (128 heads × 128 values over tp), and its backward runs attention's forward again:
+    # every block's, 61 and MTP's, over nope + rope = 192 and 128 values.
     cfg.distributed.cp_mode = "ring"
     block = 2 * 2048 * 128 * (192 + 128) / 8
     assert cp_exchange_bytes(cfg, cp) == block
     assert cp_exchange_bytes(cfg, cp, backward=True) == block + 2 * 2 * block
-    assert cp_held_bytes(cfg, cp) == 4 * 2048 * 128 * 128 / 8
+    assert cp_held_bytes(cfg, cp) == 2 * 2048 * 128 * 128 / 8
     assert ring_recompute_flops(cfg, cp) == 62 * 4096 * 128 * (192 + 128)
 
 

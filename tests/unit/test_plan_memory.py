@@ -143,9 +143,9 @@ def test_each_cp_mode_keeps_and_sends_what_its_exchange_needs():
         cfg.distributed.cp_mode = mode
         modes[mode] = cfg
     held = {mode: cp_held_bytes(cfg, cp4) for mode, cfg in modes.items()}
-    # The all-gather keeps the other three ranks' 3 MiB; the all-to-all a second bf16 copy of
-    # its output (512 × 512 × 2); the ring its merged output in fp32 (512 × 512 × 4).
-    assert held == {"all_gather": 3 * mib, "all_to_all": mib / 2, "ring": mib}
+    # The all-gather keeps the other three ranks' 3 MiB; the all-to-all and the ring a second
+    # bf16 copy of their output (512 × 512 × 2), over the heads.
+    assert held == {"all_gather": 3 * mib, "all_to_all": mib / 2, "ring": mib / 2}
     sent = {mode: cp_exchange_bytes(cfg, cp4) for mode, cfg in modes.items()}
     # Forward: the all-gather brings in 3 MiB, the ring sends 3 blocks of 1 MiB; the all-to-all
     # 3/4 of its queries, keys, values and output (512 × 4 × 512 × 2 bytes).
@@ -154,7 +154,7 @@ def test_each_cp_mode_keeps_and_sends_what_its_exchange_needs():
     assert cp_exchange_bytes(modes["ring"], cp4, backward=True) == 3 * mib + 4 * 2 * mib
     assert cp_exchange_bytes(modes["all_gather"], cp4, backward=True) == 3 * mib
     ring = activation_bytes(modes["ring"], cp4)
-    assert ring.kept == 8 * (LAYER * 512 + mib)
+    assert ring.kept == 8 * (LAYER * 512 + mib / 2)
     # Attention's backward holds the block in hand and the one arriving (1 MiB each, bf16) and
     # their fp32 gradients (2 MiB each): 6 MiB, more than the feed-forward's 7168 × 512 bytes,
     # which are freed before it runs; the larger of the two.
@@ -162,7 +162,7 @@ def test_each_cp_mode_keeps_and_sends_what_its_exchange_needs():
     modes["ring"].train.activation_checkpointing = "full"
     recomputed = activation_bytes(modes["ring"], cp4)
     assert recomputed.kept == 8 * 2 * 512 * 512
-    assert recomputed.recompute == LAYER * 512 + mib + 6 * mib
+    assert recomputed.recompute == LAYER * 512 + mib / 2 + 6 * mib
 
 
 def test_fsdp_holds_the_largest_unit_in_flight_and_the_root_unit_for_the_step():
