@@ -7,18 +7,20 @@ batch 1 x --seq tokens, built as `kiln train` builds it, the batch cut by
 ContextParallel.shard_batch as TrainStep._prepare does; forward + loss + backward, no optimizer.
 cp=1: one process x 2 threads; cp > 1: torchrun, 1 thread per rank (cp=4: 4 ranks on 2 cores).
 A warm-up step, --steps timed steps (then the peak RSS is read), and one more step measured: the
-tensors autograd saves (saved_tensors_hooks, one count per storage, weights excluded) and the
-collectives (torch.profiler with record_shapes; the positions' list all-gather wrapped, as the
-profiler records no list shapes).
+tensors autograd saves in the forward (saved_tensors_hooks, one count per storage, weights
+excluded), the CPU allocations the step holds at its peaks (torch.profiler's profile_memory) and
+the collectives (torch.profiler with record_shapes; the positions' list all-gather wrapped, as
+the profiler records no list shapes).
 
---cp-modes all_gather all_to_all runs every cp > 1 case in both distributed.cp_mode's and sets
-them side by side (the all-to-alls counted from the profiler too), with what kiln's planner
+--cp-modes all_gather ring all_to_all runs every cp > 1 case in each distributed.cp_mode named
+and sets them side by side against the all-gather (the all-to-alls counted from the profiler too,
+the ring's sends by wrapping batch_isend_irecv, by pass), with what kiln's planner
 (cp_exchange_bytes, cp_held_bytes) assumes for the same shapes.
 
     python benchmarks/context_parallel.py    # seq 8192, cp 1 2 4 (~4 min on 2 cores)
     python benchmarks/context_parallel.py --seq 4096 --cps 1 2
     python benchmarks/context_parallel.py --seq 4096 8192 --cps 2 4 --steps 2 \\
-        --cp-modes all_gather all_to_all
+        --cp-modes all_gather ring all_to_all
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PASSES = ("forward", "backward")
+ALLOCATED = ("forward", "at backward", "backward")  # allocated_peaks' figures
 BYTES = {"float": 4, "long": 8, "int": 4, "bool": 1, "c10::BFloat16": 2}  # profiler dtype names
 
 
@@ -52,6 +57,7 @@ def collective_bytes(prof) -> dict[str, list[int]]:
         "_c10d_functional::all_to_all_single": 0,
         "c10d::_allgather_base_": 0,
         "c10d::_reduce_scatter_base_": 1,
+        "gloo:send": 0,  # the ring's sends, under c10d::send (whose tensor list has no shapes)
     }
     out: dict[str, list[int]] = {}
     for e in (e for e in prof.events() if e.name in whole):
@@ -63,12 +69,32 @@ def collective_bytes(prof) -> dict[str, list[int]]:
     return out
 
 
+def allocated_peaks(prof) -> dict[str, int]:
+    """The bytes the step allocated and still holds (the profiler's running total of CPU
+    allocations made while it records): at the forward's peak, at the backward's start (what the
+    forward left for it) and at the backward's peak."""
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder, "trace.json")
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    start = next(e["ts"] for e in events if e.get("name") == "step: backward")
+    memory = [
+        (e["ts"] >= start, e["args"]["Total Allocated"])
+        for e in sorted(events, key=lambda e: e["ts"])
+        if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0
+    ]
+    forward = [total for late, total in memory if not late]
+    backward = [total for late, total in memory if late]
+    return {"forward": max(forward), "at backward": forward[-1], "backward": max(backward)}
+
+
 def worker(seq: int, steps: int, mode: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.autograd.graph import saved_tensors_hooks
-    from torch.profiler import profile
+    from torch.profiler import profile, record_function
 
+    import kiln.model.llama.model as llama_model
     from kiln.config import config_from_dict
     from kiln.model import build_model, materialize
     from kiln.parallel.apply import apply_parallelism
@@ -95,32 +121,44 @@ def worker(seq: int, steps: int, mode: str) -> None:
         inputs, labels, kwargs = context.shard_batch(inputs, labels, kwargs)
     valid = count_valid(labels) * cp  # what sum_over(valid, data_group) gives
 
+    phase = ["forward"]  # the pass running: the ring's sends are counted by pass
+
     def step() -> None:
         # As TrainStep's forward_options pass it: without it the layers attend locally.
+        phase[0] = "forward"
         logits = model(inputs, **kwargs, context_parallel=context)
         loss = token_loss_sum(logits, labels) / valid
-        loss.backward()
+        phase[0] = "backward"
+        with record_function("step: backward"):
+            loss.backward()
         model.zero_grad(set_to_none=True)
 
     # Saved tensors, one count per storage; weights (leaves needing grad, or views of them: FSDP's
     # unsharded parameters among them) are model state, not activations.
     saved: dict[int, tuple[int, str]] = {}
     m = cfg.model
-    # all_gather: every head, the local queries; all_to_all: 1/cp of the heads, every query.
-    heads_split, queries = (1, seq // cp) if mode == "all_gather" else (cp, seq)
+    # Heads split over, queries, keys of one attention: all_gather every head, the local queries
+    # over every key; ring the local queries, keys and values; all_to_all 1/cp of the heads, all.
+    heads_split, queries, keys = {
+        "all_gather": (1, seq // cp, seq),
+        "ring": (1, seq // cp, seq // cp),
+        "all_to_all": (cp, seq, seq),
+    }[mode]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
-        if base.is_leaf and base.requires_grad:
+        # The backward packs only the ring's recomputed blocks, freed block by block.
+        if phase[0] == "backward" or (base.is_leaf and base.requires_grad):
             return t
         # The gathered K/V reach SDPA as AsyncCollectiveTensor views: count their buffer.
         storage = getattr(t, "elem", t).untyped_storage()
-        # What SDPA keeps (cp > 1 only: cp=1 has no mask), (batch, ...): its float copy of kiln's
-        # bool mask, (1, queries, seq); keys and values over the whole sequence (a view of the
-        # gathered buffer, or the re-split K/V of all-to-all); queries and output.
+        # What attention keeps (cp > 1 only: cp=1 has no mask), (batch, ...): SDPA's float copy
+        # of kiln's bool mask, (1, queries, keys) (the ring's Function holds its bool masks as an
+        # attribute, unseen here); keys and values (a view of the gathered buffer, the re-split
+        # K/V of all-to-all, the ring's own); queries and output (the ring's fp32 merge).
         kind = {
-            (1, queries, seq): "mask",
-            (m.n_kv_heads // heads_split, seq, m.resolved_head_dim): "kv",
+            (1, queries, keys): "mask",
+            (m.n_kv_heads // heads_split, keys, m.resolved_head_dim): "kv",
             (m.n_heads // heads_split, queries, m.resolved_head_dim): "q_out",
         }.get(tuple(t.shape[1:]) if cp > 1 and t.dim() == 4 else (), "other")
         saved[storage.data_ptr()] = (storage.nbytes(), kind)
@@ -135,6 +173,26 @@ def worker(seq: int, steps: int, mode: str) -> None:
         positions[:] = [positions[0] + 1, positions[1] + sum(p.nbytes for p in parts)]
         plain_all_gather(parts, tensor, **kw)
 
+    # The ring's sends (ring_attention.py calls dist.batch_isend_irecv): pass -> [calls, bytes].
+    sends = {p: [0, 0] for p in PASSES}
+    plain_batch_isend_irecv = dist.batch_isend_irecv
+
+    def counting_batch_isend_irecv(ops: list) -> list:
+        counted = sends[phase[0]]
+        counted[0] += 1
+        counted[1] += sum(op.tensor.nbytes for op in ops if op.op is dist.isend)
+        return plain_batch_isend_irecv(ops)
+
+    # The bool masks one forward builds and its layers share (the ring's Function keeps them).
+    built_masks = [0]
+    plain_layer_masks = llama_model.layer_masks
+
+    def measured_layer_masks(*args, **kw):
+        masks = plain_layer_masks(*args, **kw)
+        for mask in (masks or {}).values():
+            built_masks[0] += sum(t.nbytes for t in (mask if isinstance(mask, tuple) else (mask,)))
+        return masks
+
     rss_before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGESIZE")
     times, cpu = [], []
     for _ in range(steps + 1):  # a warm-up step, then the timed ones
@@ -147,8 +205,12 @@ def worker(seq: int, steps: int, mode: str) -> None:
         cpu.append(time.process_time() - cpu_started)
     # Read before the measured step, whose hooks and profiler could raise it.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    dist.all_gather = counting_all_gather
-    with saved_tensors_hooks(pack, lambda t: t), profile(record_shapes=True) as prof:
+    dist.all_gather, dist.batch_isend_irecv = counting_all_gather, counting_batch_isend_irecv
+    llama_model.layer_masks = measured_layer_masks
+    with (
+        saved_tensors_hooks(pack, lambda t: t),
+        profile(record_shapes=True, profile_memory=True) as prof,
+    ):
         step()
     figures = {
         "step_s": statistics.median(times[1:]),
@@ -161,6 +223,9 @@ def worker(seq: int, steps: int, mode: str) -> None:
         "peak_rss": peak_rss,
         "peak_rss_measured": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "collectives": collective_bytes(prof) | {"positions all_gather": positions},
+        "ring sends": sends,
+        "masks built": built_masks[0],
+        "allocated": allocated_peaks(prof),
     }
     gathered = [figures] if cp == 1 else [None] * cp
     if cp > 1:
@@ -249,21 +314,36 @@ def report(results: dict[int, list[dict]], seq: int) -> None:
         print(f"cp={cp} per rank (step s, peak RSS MiB, after the measured step): {per_rank}")
 
 
-def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
-    """all_to_all against all_gather at each cp > 1: time, memory and bytes per layer, side by
-    side, and what the planner (kiln.plan.activations) assumes for the same shapes."""
-    from kiln.config import config_from_dict
+def planned_fp32(cfg, degrees: dict[str, int]) -> tuple[float, float, float]:
+    """The planner's bytes one layer sends in forward and in backward and keeps beyond its own
+    tokens', in fp32: its bf16 terms doubled, the ring's fp32 gradients not."""
     from kiln.plan.activations import cp_exchange_bytes, cp_held_bytes
 
-    mib, modes = 2**20, ("all_gather", "all_to_all")
-    cps = sorted({cp for cp, mode in results if cp > 1 and (cp, modes[1]) in results})
-    print(f"\n### seq_len {seq}: cp_mode all_to_all against all_gather (fp32, per rank)\n")
+    forward = cp_exchange_bytes(cfg, degrees)
+    backward = cp_exchange_bytes(cfg, degrees, backward=True)
+    held = 2 * cp_held_bytes(cfg, degrees)
+    if cfg.distributed.cp_mode == "ring":
+        # Its backward: the forward's bf16 K/V sends again, then the fp32 gradients.
+        return 2 * forward, forward + backward, held
+    return 2 * forward, 2 * backward, held
+
+
+def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
+    """ring and all_to_all against all_gather at each cp > 1: time, memory and bytes per layer,
+    side by side, and what the planner (kiln.plan.activations) assumes for the same shapes."""
+    from kiln.config import config_from_dict
+
+    mib = 2**20
+    modes = [m for m in ("all_gather", "ring", "all_to_all") if any(m == k for _, k in results)]
+    cps = sorted({cp for cp, _ in results if cp > 1})
+    print(f"\n### seq_len {seq}: each cp_mode against all_gather (fp32, per rank)\n")
     print(
         "| cp | mode | step s (slowest rank) | CPU s/step, all ranks | peak RSS MiB (max rank) | "
-        "RSS growth to peak MiB | saved MiB (max rank) | mask | saved without the mask | "
-        "K/V held | queries + output | rest |"
+        "RSS growth to peak MiB | allocated: forward's peak | at the backward's start | "
+        "backward's peak | saved MiB (max rank) | mask | saved without the mask | K/V held | "
+        "queries + output | rest | bool masks built per forward |"
     )
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 16)
     unmasked = {}  # (cp, mode) -> saved bytes without the mask (a CPU-only term)
     for cp in cps:
         rows = {}
@@ -277,74 +357,72 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
                 sum(r["cpu_s"] for r in ranks),
                 max(r["peak_rss"] for r in ranks),
                 max(r["peak_rss"] - r["rss_before"] for r in ranks),
+                *(max(r["allocated"][k] for r in ranks) for k in ALLOCATED),
                 total,
                 mask,
                 total - mask,
                 kv,
                 q_out,
                 total - mask - kv - q_out,
+                top["masks built"],
             ]
             unmasked[cp, mode] = total - mask
-        ratio = [
-            a / g if g else float("nan")
-            for a, g in zip(rows[modes[1]], rows[modes[0]], strict=True)
-        ]
-        for label, row in [*rows.items(), ("all_to_all / all_gather", ratio)]:
-            cells = (
-                [f"{x:.2f}" for x in row]
-                if label not in modes
-                else ([f"{row[0]:.2f}", f"{row[1]:.1f}"] + [f"{x / mib:.0f}" for x in row[2:]])
-            )
-            print(f"| {cp} | {label} | " + " | ".join(cells) + " |")
+        for mode in modes:
+            row = rows[mode]
+            cells = [f"{row[0]:.2f}", f"{row[1]:.1f}"] + [f"{x / mib:.0f}" for x in row[2:]]
+            print(f"| {cp} | {mode} | " + " | ".join(cells) + " |")
+            if mode != "all_gather":
+                base = rows["all_gather"]
+                ratio = [f"{a / g:.2f}" if g else "–" for a, g in zip(row, base, strict=True)]
+                print(f"| {cp} | {mode} / all_gather | " + " | ".join(ratio) + " |")
     print(
-        "\n| cp | mode | exchange op: calls/step | whole tensors MiB/layer/pass | of it to other "
-        "ranks | planner cp_exchange_bytes x 2 (fp32) | measured / planner | K/V held MiB/layer "
-        "| of it beyond the own tokens' | planner cp_held_bytes x 2 | saved without the mask "
-        "minus all_gather's, MiB/layer | planner's difference | positions all-gather calls, B |"
+        "\n| cp | mode | exchange calls/step | sent MiB/layer, forward | backward | planner "
+        "cp_exchange_bytes (fp32), forward | backward | measured / planner | K/V held MiB/layer "
+        "| of it beyond the own tokens' | saved without the mask minus all_gather's, MiB/layer | "
+        "planner's difference (cp_held_bytes, fp32) | positions all-gather calls, B |"
     )
     print("|" + "---|" * 13)
     for cp in cps:
-        overrides = [
-            f"--train.seq_len={seq}",
-            f"--model.max_seq_len={seq}",
-            "--train.batch_size=1",
-            f"--distributed.cp={cp}",
-        ]
+        overrides = [f"--train.seq_len={seq}", f"--model.max_seq_len={seq}"]
+        overrides += ["--train.batch_size=1", f"--distributed.cp={cp}", "--distributed.dp_shard=1"]
+        held_gather = None
         for mode in modes:
             ranks = results[cp, mode]
             col = ranks[0]["collectives"]
             assert all(r["collectives"] == col for r in ranks), "ranks moved different bytes"
-            cfg = config_from_dict(
-                {},
-                [*overrides, "--distributed.dp_shard=1", f"--distributed.cp_mode={mode}"],
-                world_size=cp,
-            )
+            cfg = config_from_dict({}, [*overrides, f"--distributed.cp_mode={mode}"], world_size=cp)
             layers, degrees = cfg.model.n_layers, {"cp": cp, "tp": 1, "pp": 1}
             if mode == "all_gather":
                 calls, whole = col["_c10d_functional::all_gather_into_tensor"]
                 back = col["_c10d_functional::reduce_scatter_tensor"]
                 assert back == [calls, whole], "the backward's reduce-scatter mirrors the gather"
                 op = f"all_gather {calls} + reduce_scatter {back[0]}"
-            else:
+                forward = backward = whole * (cp - 1) / cp
+            elif mode == "all_to_all":
                 calls, whole = col["_c10d_functional::all_to_all_single"]
-                op, whole = f"all_to_all_single {calls}", whole // 2  # forward and backward alike
-            per_layer = whole / layers
-            sent = per_layer * (cp - 1) / cp
-            planned = 2 * cp_exchange_bytes(cfg, degrees)
+                op = f"all_to_all_single {calls}"
+                forward = backward = whole / 2 * (cp - 1) / cp  # forward and backward alike
+            else:
+                (calls, forward), (back, backward) = (ranks[0]["ring sends"][p] for p in PASSES)
+                same = all(r["ring sends"] == ranks[0]["ring sends"] for r in ranks)
+                assert same, "ranks sent different bytes"
+                sent = col.get("gloo:send", [0, 0])[1]
+                assert sent == forward + backward, "the profiler's gloo:send agrees"
+                op = f"batch_isend_irecv {calls} + {back}"
+            planned = planned_fp32(cfg, degrees)
             kv = max(r["saved"]["kv"] for r in ranks) / layers
             # This rank's own tokens' keys and values: the whole sequence's over cp.
             m = cfg.model
             own = 2 * seq * m.n_kv_heads * m.resolved_head_dim * 4 / cp
             pos = col["positions all_gather"]
-            held = 2 * cp_held_bytes(cfg, degrees)
-            if mode == "all_gather":
-                held_gather = held
+            held_gather = planned[2] if mode == "all_gather" else held_gather
             more = (unmasked[cp, mode] - unmasked[cp, "all_gather"]) / layers
             print(
-                f"| {cp} | {mode} | {op} | {per_layer / mib:.2f} | {sent / mib:.2f} | "
-                f"{planned / mib:.2f} | {sent / planned:.3f} | {kv / mib:.2f} | "
-                f"{(kv - own) / mib:.2f} | {held / mib:.2f} | {more / mib:.2f} | "
-                f"{(held - held_gather) / mib:.2f} | {pos[0]}, {pos[1]} |"
+                f"| {cp} | {mode} | {op} | {forward / layers / mib:.2f} | "
+                f"{backward / layers / mib:.2f} | {planned[0] / mib:.2f} | {planned[1] / mib:.2f} | "
+                f"{forward / layers / planned[0]:.3f} / {backward / layers / planned[1]:.3f} | "
+                f"{kv / mib:.2f} | {(kv - own) / mib:.2f} | {more / mib:.2f} | "
+                f"{(planned[2] - held_gather) / mib:.2f} | {pos[0]}, {pos[1]} |"
             )
 
 
@@ -359,11 +437,13 @@ def main() -> None:
     parser.add_argument(
         "--cp-modes",
         nargs="+",
-        choices=("all_gather", "all_to_all"),
+        choices=("all_gather", "ring", "all_to_all"),
         default=["all_gather"],
         help="distributed.cp_mode of each cp > 1 run (cp=1 runs once)",
     )
     args = parser.parse_args()
+    if len(args.cp_modes) > 1 and "all_gather" not in args.cp_modes:
+        parser.error("--cp-modes: the modes are set side by side against all_gather; name it too")
     if args.mode == "worker":
         worker(args.seq[0], args.steps, args.cp_modes[0])
         return
