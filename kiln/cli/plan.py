@@ -204,7 +204,15 @@ def base_config(model: str, seq_len: int | None):
         train["seq_len"] = seq_len
     elif "seq_len" not in train:
         train["seq_len"] = config_from_dict({"model": dict(raw["model"])}).model.max_seq_len
-    return config_from_dict(raw)
+    cfg = config_from_dict(raw)
+    # Else every layout fails validation alike, and the search would report "fits no layout".
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"--seq-len {cfg.train.seq_len} is past the model's max_seq_len "
+            f"({cfg.model.max_seq_len}): plan from a recipe whose [model] max_seq_len (and RoPE "
+            f"scaling) reaches it, e.g. configs/train/llama3_8b_512k_64gpu.toml"
+        )
+    return cfg
 
 
 def cmd_plan(args) -> int:

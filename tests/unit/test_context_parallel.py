@@ -128,7 +128,13 @@ def test_each_cp_ranks_tokens_must_split_over_tp():
 
 
 def test_kiln_check_describes_the_split(capsys):
-    args = ["check", "llama3_8b_128k_32gpu", "--world-size", "32", "--config-only"]
+    # The recipe at cp = 4 with the all-gather and full checkpointing (it ships cp = 8 with the
+    # all-to-all, the planner's choice).
+    args = [
+        *["check", "llama3_8b_128k_32gpu", "--world-size", "32", "--config-only"],
+        *["--distributed.cp=4", "--distributed.cp_mode=all_gather"],
+        "--train.activation_checkpointing=full",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "dp_shard=8 × cp=4" in out

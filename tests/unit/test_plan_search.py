@@ -150,6 +150,10 @@ def test_a_model_that_fits_nowhere_names_the_smallest_gpu_count(capsys):
         (["--gpu", "v100"], "unknown GPU 'v100': the planner knows h100, h200, a100, b200"),
         (["--gpu", "h100", "--gpus", "6"], "--gpus 6 is not a multiple of --gpus-per-node 4"),
         (["--gpu", "h100", "--global-batch-tokens", "1000"], "not a whole number of sequences"),
+        (
+            ["--gpu", "h100", "--seq-len", "262144"],
+            "--seq-len 262144 is past the model's max_seq_len (4096): plan from a recipe",
+        ),
         (["--gpu", "h100", "--restart-s", "60"], "--restart-s is an input of --fault-tolerance"),
         (
             ["--gpu", "h100", "--fault-tolerance"],

@@ -29,7 +29,8 @@ RECIPES = {
     "moe_24gpu": (24, {"dp_shard": 6, "tp": 4}),
     "moe_ep_32gpu": (32, {"dp_shard": 4, "tp": 4, "ep": 2}),
     # Long context (docs/long_context.md)
-    "llama3_8b_128k_32gpu": (32, {"dp_shard": 8, "cp": 4}),
+    "llama3_8b_128k_32gpu": (32, {"dp_shard": 4, "cp": 8}),
+    "llama3_8b_512k_64gpu": (64, {"dp_shard": 1, "cp": 32, "tp": 2}),
     # Continued pretraining from released weights (docs/models.md)
     "qwen3_8b_16gpu_continue": (16, {"dp_shard": 16, "tp": 1}),
     # DeepSeek-V3 family (docs/models.md)
