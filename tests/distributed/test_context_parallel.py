@@ -6,8 +6,8 @@ positions and attends over the whole sequences' keys and values, all-gathered (t
 passed around the ring or re-split over heads (distributed.cp_mode), under a mask by global
 positions (and document ids). The cp ranks read the same batches, so each layout runs the
 reference's global batch of 8 with batch_size = 8 / (data ranks). Each mode meets the other
-dimensions somewhere: FSDP over cp (all), pp (all-gather, ring), tp (all-to-all; all-gather in
-test_moe_parity.py), ep and MoE (ring), full AC (ring), compile (all-gather, ring), MLA
+dimensions somewhere: FSDP over cp (all), pp (all three), tp (all-to-all; all-gather in
+test_moe_parity.py), ep and MoE (ring, all-to-all), full AC (ring), compile (all three), MLA
 (test_deepseek_parity.py: all three)."""
 
 import pytest
@@ -55,7 +55,8 @@ LAYOUTS = {
         ],
     ),
     "cp=2 x pp=2": (4, ["--distributed.cp=2", "--distributed.pp=2", "--train.batch_size=8"]),
-    "cp=2 ring x pp=2": (
+    # The other two modes under a pipeline, one per mask (each mode meets both masks above).
+    "cp=2 x pp=2, ring (causal) and all-to-all (document mask)": (
         4,
         [
             "--distributed.cp=2",
@@ -66,6 +67,12 @@ LAYOUTS = {
     ),
 }
 MASKS = {"causal": (), "document mask": ("--data.document_mask=true",)}
+# A layout's overrides under one of the masks, after its own (they win).
+MASK_OVERRIDES = {
+    ("cp=2 x pp=2, ring (causal) and all-to-all (document mask)", "document mask"): (
+        "--distributed.cp_mode=all_to_all",
+    ),
+}
 # The model of a layout where it is not the debug one: Qwen3-shaped (test_parity.py's QWEN3).
 MODELS = {
     "cp=2 all-to-all x dp_shard=2, Qwen3-shaped": QWEN3,
@@ -88,7 +95,8 @@ def masked(mask, demo_data):
 def test_context_parallel_layout_matches_one_process(layout, mask, runs, references, demo_data):
     nproc, overrides = LAYOUTS[layout]
     model = MODELS.get(layout, ())
-    got = records(runs(nproc, *overrides, *model, *masked(mask, demo_data)))
+    mode = MASK_OVERRIDES.get((layout, mask), ())
+    got = records(runs(nproc, *overrides, *mode, *model, *masked(mask, demo_data)))
     expected = references(*model, *masked(mask, demo_data))
     assert_parity(got, expected)
     for step in (5, 10) if mask != "causal" else ():
@@ -104,23 +112,25 @@ def test_the_document_mask_changes_the_run(references, demo_data):
     assert abs(a - b) > 100 * 1e-5 * abs(b)
 
 
-def test_moe_with_expert_parallel_matches_one_process(runs):
-    """debug_moe at cp=2 (ring) × ep=2: each cp rank routes its chunks of the sequences; the
-    Switch loss's expert counts are summed over the cp ranks too, the sequence-wise loss's over
-    the parts of each sequence. (MoE blocks under the all-gather: test_moe_parity.py's compiled
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_moe_with_expert_parallel_matches_one_process(mode, runs):
+    """debug_moe at cp=2 × ep=2: each cp rank routes its chunks of the sequences; the Switch
+    loss's expert counts are summed over the cp ranks too, the sequence-wise loss's over the
+    parts of each sequence. (MoE blocks under the all-gather: test_moe_parity.py's compiled
     cp=2 × tp=2 layout.)"""
-    ring = ("--distributed.cp=2", "--distributed.cp_mode=ring", "--distributed.ep=2")
-    got = records(runs(4, *ring, "--train.batch_size=4", *MOE))
+    cp = ("--distributed.cp=2", f"--distributed.cp_mode={mode}", "--distributed.ep=2")
+    got = records(runs(4, *cp, "--train.batch_size=4", *MOE))
     expected = records(runs(1, f"--train.batch_size={GLOBAL_BATCH}", *MOE))
     assert_moe_parity(got, expected)
 
 
-def test_ring_in_compiled_blocks_matches_one_process(runs, references):
-    """Blocks compiled around the ring: its sends and receives run eagerly inside the compiled
-    block (a graph break), the rest of the block compiled (the all-gather's compiled layout:
-    test_moe_parity.py)."""
-    ring = ("--distributed.cp=2", "--distributed.cp_mode=ring", "--train.batch_size=8")
-    got = records(runs(2, *ring, "--train.compile=true"))
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_compiled_blocks_match_one_process(mode, runs, references):
+    """Blocks compiled around the exchange: the ring's sends and receives run eagerly inside
+    the compiled block (a graph break), the all-to-alls are traced (functional collectives);
+    the all-gather's compiled layout is test_moe_parity.py's."""
+    cp = ("--distributed.cp=2", f"--distributed.cp_mode={mode}", "--train.batch_size=8")
+    got = records(runs(2, *cp, "--train.compile=true"))
     assert_parity(got, references())
 
 
