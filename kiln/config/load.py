@@ -166,8 +166,8 @@ def _is_text(hint: Any) -> bool:
 
 def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
     """Merge `[model] preset = NAME` under the explicit [model] keys (explicit keys win), and the
-    preset's tables (`[moe]`, `[mla]`, `[mtp]`) under the explicit `[model.<table>]` keys, key by
-    key."""
+    preset's tables (`[moe]`, `[mla]`, `[mtp]`, `[linear_attention]`) under the explicit
+    `[model.<table>]` keys, key by key."""
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("preset"):
         return
@@ -186,7 +186,7 @@ def resolve_model_preset(raw: dict[str, Any], problems: list[str]) -> None:
         return
     move_moe_keys(preset, f"model.preset {name!r}: ", problems)
     merged = {**preset, **model}
-    for table in ("moe", "mla", "mtp"):
+    for table in ("moe", "mla", "mtp", "linear_attention"):
         if isinstance(preset.get(table), dict) and isinstance(model.get(table), dict):
             merged[table] = {**preset[table], **model[table]}
     raw["model"] = merged

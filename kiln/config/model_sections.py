@@ -1,5 +1,6 @@
-"""`[model]` and its tables (`[model.moe]`, `[model.mla]`, `[model.mtp]`): the sections that
-describe the network (docs/configuration.md); the rest of the config is in sections.py."""
+"""`[model]` and its tables (`[model.moe]`, `[model.mla]`, `[model.mtp]`,
+`[model.linear_attention]`): the sections that describe the network (docs/configuration.md);
+the rest of the config is in sections.py."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ from typing import Literal, get_args
 
 # The model families kiln builds (kiln/model/registry.py maps each to its folder; docs/models.md).
 # Llama covers Llama 3.x, Qwen3 dense, Mixtral, Qwen3-MoE and gpt-oss: they differ by keys.
-ModelFamilyName = Literal["llama", "deepseek_v3"]
+# qwen3_next: the hybrid of Gated DeltaNet (linear attention) and gated full attention layers.
+ModelFamilyName = Literal["llama", "deepseek_v3", "qwen3_next"]
 MODEL_FAMILIES = get_args(ModelFamilyName)
 RopeScaling = Literal["none", "llama3", "yarn"]
 MoeRouter = Literal["softmax_topk", "sigmoid"]
-# Hugging Face's names for a layer's attention (`layer_types`).
-AttentionLayerType = Literal["full_attention", "sliding_attention"]
+# Hugging Face's names for a layer's attention (`layer_types`); "linear_attention" is a Gated
+# DeltaNet layer (family qwen3_next).
+AttentionLayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+# The Gated DeltaNet kernel: "auto" takes fla-core's on CUDA when it is installed, else the
+# plain-torch chunked one.
+DeltaRuleKernel = Literal["auto", "torch", "fla"]
 # The routed experts' activation: SwiGLU, or gpt-oss's clamped SwiGLU (moe.swiglu_*).
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 
@@ -87,6 +93,22 @@ class MTPConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """`[model.linear_attention]`: the Gated DeltaNet layers of family qwen3_next (Hugging
+    Face's linear_* keys). Each of num_key_heads query/key heads serves num_value_heads /
+    num_key_heads value heads; a short causal depthwise convolution of conv_kernel taps runs over
+    queries, keys and values first; the chunked kernel works in chunks of chunk_size tokens."""
+
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    kernel: DeltaRuleKernel = "auto"
+
+
+@dataclass
 class ModelConfig:
     # Which family's modules, parallel plan and Hugging Face adapters build the model.
     family: ModelFamilyName = "llama"
@@ -130,17 +152,35 @@ class ModelConfig:
     # A learned logit per head that joins every query's softmax and takes its share of the
     # attention without adding a value (gpt-oss's attention sinks).
     attention_sinks: bool = False
+    # Family qwen3_next: the full attention's query projection also makes a per-head gate and
+    # the output is multiplied by its sigmoid before wo; RoPE turns only the first
+    # partial_rotary_factor of each head's dims; RMSNorms compute x̂·(1 + w), w starting at 0.
+    attention_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    norm_zero_centered: bool = False
     init_std: float = 0.02
     # Mixture of Experts: the [model.moe] table (num_experts = 0: dense).
     moe: MoEConfig = field(default_factory=MoEConfig)
     # Family deepseek_v3: its attention and its extra prediction modules.
     mla: MLAConfig = field(default_factory=MLAConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
+    # Family qwen3_next: its Gated DeltaNet layers (layer_types "linear_attention").
+    linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
 
     @property
     def resolved_head_dim(self) -> int:
         """The width of one attention head: `head_dim`, or dim / n_heads when it is 0."""
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE turns: the first partial_rotary_factor of head_dim (as
+        Hugging Face rounds it, down)."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether block `layer` mixes tokens by Gated DeltaNet instead of softmax attention."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def attention_window(self, layer: int) -> int:
         """The sliding window of block `layer`'s attention; 0: it attends to the whole context."""

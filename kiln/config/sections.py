@@ -11,7 +11,9 @@ from typing import Literal
 from kiln.config.model_sections import (  # noqa: F401
     MODEL_FAMILIES,
     AttentionLayerType,
+    DeltaRuleKernel,
     ExpertActivation,
+    LinearAttentionConfig,
     MLAConfig,
     ModelConfig,
     ModelFamilyName,

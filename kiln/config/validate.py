@@ -19,6 +19,7 @@ from kiln.config.validate_deepseek import deepseek_problems
 from kiln.config.validate_eval import eval_task_problems
 from kiln.config.validate_fault_tolerance import fault_tolerance_problems
 from kiln.config.validate_float8 import float8_problems
+from kiln.config.validate_linear_attention import linear_attention_problems
 from kiln.config.validate_moe import expert_parallel_problems, moe_problems
 from kiln.config.validate_observability import observability_problems
 from kiln.config.validate_optimizer import optimizer_problems
@@ -40,7 +41,7 @@ def collect_problems(cfg: JobConfig, world_size: int) -> list[str]:
     # The keys typed by a Literal of words (sections.py) first: built from TOML they were checked
     # already (an invalid word is left at its default), built in Python they were not.
     problems = choice_problems(cfg) + _model_problems(cfg) + deepseek_problems(cfg)
-    problems += attention_problems(cfg)
+    problems += attention_problems(cfg) + linear_attention_problems(cfg)
     problems += _train_problems(cfg) + export_hf_problems(cfg)
     problems += optimizer_problems(cfg) + float8_problems(cfg)
     problems += _data_problems(cfg) + _eval_problems(cfg) + eval_task_problems(cfg)

@@ -3,13 +3,17 @@ sinks and biases, and the experts' clamped SwiGLU."""
 
 from __future__ import annotations
 
-from kiln.config.sections import JobConfig
+from kiln.config.sections import JobConfig, ModelConfig
 
 
 def attention_problems(cfg: JobConfig) -> list[str]:
     """Every problem of model.sliding_window, layer_types, attention_sinks, attention_bias and
     the clamped SwiGLU's model.moe.swiglu_alpha and swiglu_limit."""
     m, p = cfg.model, []
+    if m.family == "qwen3_next":
+        # Its layer_types (linear and full attention) are checked with the family's keys,
+        # kiln/config/validate_linear_attention.py.
+        return _qwen3_next_problems(m)
     options = (m.sliding_window, m.layer_types, m.attention_sinks, m.attention_bias)
     if m.family != "llama" and any(options):
         return [
@@ -42,3 +46,18 @@ def attention_problems(cfg: JobConfig) -> list[str]:
             f"full attention; set model.sliding_window = 0, or a window within the context"
         )
     return p
+
+
+def _qwen3_next_problems(m: ModelConfig) -> list[str]:
+    options = {
+        "model.sliding_window": m.sliding_window,
+        "model.attention_sinks": m.attention_sinks,
+        "model.attention_bias": m.attention_bias,
+    }
+    named = [key for key, value in options.items() if value]
+    if not named:
+        return []
+    return [
+        f"{', '.join(named)}: options of the llama family's attention; family 'qwen3_next' "
+        "computes its own (gated full attention without a window, sinks or biases): remove them"
+    ]

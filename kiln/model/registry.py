@@ -10,8 +10,11 @@ from kiln.errors import ConfigError, KilnError
 from kiln.model.deepseek import FAMILY as DEEPSEEK_V3
 from kiln.model.family import HfAdapter, ModelFamily
 from kiln.model.llama import FAMILY as LLAMA
+from kiln.model.qwen3_next import FAMILY as QWEN3_NEXT
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA, DEEPSEEK_V3)}
+FAMILIES: dict[str, ModelFamily] = {
+    family.name: family for family in (LLAMA, DEEPSEEK_V3, QWEN3_NEXT)
+}
 assert tuple(FAMILIES) == MODEL_FAMILIES, "kiln/config/sections.py lists the families"
 
 # config.json keys by which architectures announce routed experts.
