@@ -41,17 +41,22 @@ def generate(
     if n_new <= 0:
         return []
     param = next(model.parameters())
-    heads, key_dim, value_dim = cache_widths(cfg)
-    cache = KVCache(
-        n_layers=cfg.n_layers,
-        batch=1,
-        n_kv_heads=heads,
-        head_dim=key_dim,
-        value_dim=value_dim,
-        max_len=len(prompt_ids) + n_new - 1,
-        device=param.device,
-        dtype=_activation_dtype(param),
-    )
+    max_len, dtype = len(prompt_ids) + n_new - 1, _activation_dtype(param)
+    if hasattr(model, "generation_cache"):
+        # A family whose layers keep more than keys and values (qwen3_next's recurrent states).
+        cache = model.generation_cache(batch=1, max_len=max_len, device=param.device, dtype=dtype)
+    else:
+        heads, key_dim, value_dim = cache_widths(cfg)
+        cache = KVCache(
+            n_layers=cfg.n_layers,
+            batch=1,
+            n_kv_heads=heads,
+            head_dim=key_dim,
+            value_dim=value_dim,
+            max_len=max_len,
+            device=param.device,
+            dtype=dtype,
+        )
     generator = torch.Generator(device=param.device).manual_seed(seed)
     logits = model(torch.tensor([prompt_ids], device=param.device), cache)[0, -1]
     new: list[int] = []
