@@ -1,0 +1,63 @@
+"""fla-core's chunked gated delta rule, what kiln runs on CUDA for Gated DeltaNet layers
+(kernel "auto" or "fla", kiln/model/qwen3_next/delta_rule.py), against kiln's plain-torch
+chunked kernel in fp32 on the same bf16 inputs: forward, final state and gradients, with an
+initial state and packed documents (kiln hands them to fla as variable-length sequences).
+tests/unit/test_delta_rule.py proves the torch kernel against the step-by-step reference.
+Skipped where fla-core is not installed. Written without a GPU, not yet run on one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.model.qwen3_next.delta_rule import gated_delta_rule
+
+# Not a multiple of the 64-token chunks: the last chunk is ragged; Qwen3-Next's head widths.
+BATCH, SEQ, HEADS, KEY_DIM, VALUE_DIM = 2, 300, 4, 128, 128
+# fla takes bf16 inputs and keeps some intermediates (the UT transform's products) in bf16,
+# rounding each by up to 2^-8 relative; the fp32 reference does not. Normwise, 2^-5 leaves a
+# few such roundings carried through a sequence of 300 tokens.
+RELATIVE = 2**-5
+
+
+def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.cuda_only("fla-core runs on CUDA only")
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_fla_matches_torch_chunked(with_documents: bool, device: torch.device) -> None:
+    pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core)")
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q, k = (F.normalize(randn(BATCH, SEQ, HEADS, KEY_DIM), dim=-1) for _ in range(2))
+    v = randn(BATCH, SEQ, HEADS, VALUE_DIM)
+    g, beta = F.logsigmoid(randn(BATCH, SEQ, HEADS) + 3), torch.sigmoid(randn(BATCH, SEQ, HEADS))
+    state = randn(BATCH, HEADS, KEY_DIM, VALUE_DIM) * 0.1
+    # Documents about every 50 tokens, one starting at row 1's first token.
+    starts = torch.rand(BATCH, SEQ, generator=gen) < 0.02
+    starts[1, 0] = True
+    inputs = [x.to(device) for x in (q, k, v)]
+    inputs = [x.bfloat16() for x in inputs] + [g.to(device), beta.to(device).bfloat16()]
+    options = {
+        "scale": KEY_DIM**-0.5,
+        "output_final_state": True,
+        "document_starts": starts.to(device) if with_documents else None,
+    }
+    upstream = randn(BATCH, SEQ, HEADS, VALUE_DIM).to(device)
+    results = []
+    for kernel in ("fla", "torch"):
+        leaves = [x.detach().clone().requires_grad_() for x in [*inputs, state.to(device)]]
+        out, final = gated_delta_rule(
+            *leaves[:5], initial_state=leaves[5], kernel=kernel, **options
+        )
+        loss = (out.float() * upstream).sum() + final.float().sum()
+        results.append([out, final, *torch.autograd.grad(loss, leaves)])
+    fla, torch_chunked = results
+    names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "dstate"]
+    for name, a, b in zip(names, fla, torch_chunked, strict=True):
+        assert normwise(a, b) <= RELATIVE, name
