@@ -37,6 +37,12 @@ output in v's dtype and the final state (batch, heads, key_dim, value_dim) in th
 are differentiable by autograd in every input, the initial state included. They agree to
 rounding (tests/unit/test_delta_rule.py: fp64 to ~1e-12, and with transformers' references).
 
+`gated_delta_rule` runs fla-core's Triton kernel (kernel "fla", or "auto" on CUDA when fla-core
+is installed) or the chunked torch one. fla takes documents only as variable-length sequences
+(cu_seqlens) over a batch of one, so the rows are laid end to end, each row's initial state
+enters its first sequence and its final state is its last sequence's; fla chunks by its own 64
+whatever `chunk_size` says. tests/gpu/test_delta_rule_fla.py holds fla to the torch kernel.
+
 `causal_depthwise_conv` is the short convolution before the kernel, equal to HF's
 `nn.Conv1d(groups=channels, padding=K−1)(x)[..., :seq]`, with the same document resets.
 """
@@ -93,8 +99,7 @@ def recurrent_gated_delta_rule(
         delta = (v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)) * beta[:, :, t, None]
         state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]) * scale)
-    out = torch.stack(outs, dim=1) if outs else v.transpose(1, 2).clone()
-    return out.to(out_dtype), (state if output_final_state else None)
+    return torch.stack(outs, dim=1).to(out_dtype), (state if output_final_state else None)
 
 
 def chunk_gated_delta_rule(
@@ -182,7 +187,8 @@ def gated_delta_rule(
     chunk_size: int = 64,
     kernel: Kernel = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gated delta rule on the kernel `kernel_name(kernel, q.device)` names."""
+    """The gated delta rule on the kernel `kernel_name(kernel, q.device)` names; `chunk_size` is
+    the torch kernel's."""
     args = (q, k, v, g, beta)
     options = {
         "scale": scale,
@@ -196,7 +202,7 @@ def gated_delta_rule(
 
 
 def kernel_name(kernel: Kernel, device: torch.device | str) -> str:
-    """ "fla" or "torch": the kernel `kernel` runs on `device` ("auto": fla on CUDA when installed)."""
+    """The kernel `kernel` runs on `device`, "fla" or "torch" ("auto": fla on CUDA if installed)."""
     device = torch.device(device)
     if kernel == "torch":
         return "torch"
