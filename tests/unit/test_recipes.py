@@ -45,6 +45,7 @@ SMALL_RECIPES = {
     "debug_moe": "4 heads of 32",
     "qwen3_debug": "4 heads of 48",  # Qwen3's decoupled head width (docs/models.md)
     "deepseek_v3_debug": "4 heads (queries/keys 16 + 8, values 16)",  # MLA: no one head width
+    "qwen3_next_debug": "4 heads of 64",  # its full-attention layers' (docs/models.md)
 }
 
 
