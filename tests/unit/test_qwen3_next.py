@@ -223,3 +223,50 @@ def test_bad_keys_are_named(overrides, named):
 def test_the_familys_keys_elsewhere_are_refused(overrides, named):
     with pytest.raises(ConfigError, match=named):
         load_config(REPO / "configs" / "train" / "debug.toml", overrides, world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active"),
+    [
+        # Qwen: 80B total, 3B activated (3.25B without the embedding and the output head).
+        ("qwen3_next_80b_a3b", 79_674_391_296, 3_874_929_408),
+        ("qwen3_5_9b", 8_953_803_264, 8_953_803_264),  # Qwen: 9B
+    ],
+)
+def test_presets_count_the_parameters_of_the_transformers_model(name, total, active):
+    transformers = pytest.importorskip("transformers")
+    cfg = load_config(None, [f"--model.preset='{name}'"], world_size=1).model
+    a, moe = cfg.linear_attention, cfg.moe
+    keys = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_hidden_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.resolved_head_dim,
+        layer_types=cfg.layer_types,
+        linear_conv_kernel_dim=a.conv_kernel,
+        linear_key_head_dim=a.key_head_dim,
+        linear_value_head_dim=a.value_head_dim,
+        linear_num_key_heads=a.num_key_heads,
+        linear_num_value_heads=a.num_value_heads,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
+    if moe.num_experts:
+        keys |= dict(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.ffn_hidden_dim,
+            shared_expert_intermediate_size=moe.shared_experts * moe.ffn_hidden_dim,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        config, model_class = transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM
+    else:
+        config, model_class = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
+    with torch.device("meta"):  # no memory; a tenth of a second for the 80B model
+        hf = model_class(config(**keys))
+    counts = count_params(cfg)
+    assert counts.total == sum(p.numel() for p in hf.parameters()) == total
+    assert counts.active == active
