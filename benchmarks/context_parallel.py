@@ -194,15 +194,18 @@ def worker(seq: int, steps: int, mode: str) -> None:
         return masks
 
     rss_before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGESIZE")
-    times, cpu = [], []
+    times, cpu, system = [], [], []
     for _ in range(steps + 1):  # a warm-up step, then the timed ones
         if cp > 1:
             dist.barrier()  # ranks start together: a step is as slow as the slowest rank
-        started, cpu_started = time.perf_counter(), time.process_time()
+        started, cpu_started = time.perf_counter(), os.times()
         step()
         times.append(time.perf_counter() - started)
-        # CPU seconds of this process: the work, whoever else holds the cores meanwhile.
-        cpu.append(time.process_time() - cpu_started)
+        # CPU seconds of this process, user + system: the work, whoever else holds the cores
+        # meanwhile. The system's share is mostly the page faults of large fresh buffers.
+        spent = os.times()
+        system.append(spent.system - cpu_started.system)
+        cpu.append(spent.user - cpu_started.user + system[-1])
     # Read before the measured step, whose hooks and profiler could raise it.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     dist.all_gather, dist.batch_isend_irecv = counting_all_gather, counting_batch_isend_irecv
@@ -215,6 +218,11 @@ def worker(seq: int, steps: int, mode: str) -> None:
     figures = {
         "step_s": statistics.median(times[1:]),
         "cpu_s": statistics.median(cpu[1:]),
+        "system_s": statistics.median(system[1:]),
+        "top ops": [  # of the measured step, whose profiler adds its own overhead
+            (e.key, e.self_cpu_time_total / 1e6)
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
+        ],
         "saved": {
             k: sum(n for n, kind in saved.values() if kind == k) for k in ("kv", "mask", "q_out")
         },
@@ -338,12 +346,13 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
     cps = sorted({cp for cp, _ in results if cp > 1})
     print(f"\n### seq_len {seq}: each cp_mode against all_gather (fp32, per rank)\n")
     print(
-        "| cp | mode | step s (slowest rank) | CPU s/step, all ranks | peak RSS MiB (max rank) | "
+        "| cp | mode | step s (slowest rank) | CPU s/step, all ranks | of it system | "
+        "peak RSS MiB (max rank) | "
         "RSS growth to peak MiB | allocated: forward's peak | at the backward's start | "
         "backward's peak | saved MiB (max rank) | mask | saved without the mask | K/V held | "
         "queries + output | rest | bool masks built per forward |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 17)
     unmasked = {}  # (cp, mode) -> saved bytes without the mask (a CPU-only term)
     for cp in cps:
         rows = {}
@@ -355,6 +364,7 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
             rows[mode] = [
                 max(r["step_s"] for r in ranks),
                 sum(r["cpu_s"] for r in ranks),
+                sum(r["system_s"] for r in ranks),
                 max(r["peak_rss"] for r in ranks),
                 max(r["peak_rss"] - r["rss_before"] for r in ranks),
                 *(max(r["allocated"][k] for r in ranks) for k in ALLOCATED),
@@ -369,7 +379,8 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
             unmasked[cp, mode] = total - mask
         for mode in modes:
             row = rows[mode]
-            cells = [f"{row[0]:.2f}", f"{row[1]:.1f}"] + [f"{x / mib:.0f}" for x in row[2:]]
+            cells = [f"{row[0]:.2f}", f"{row[1]:.1f}", f"{row[2]:.1f}"]
+            cells += [f"{x / mib:.0f}" for x in row[3:]]
             print(f"| {cp} | {mode} | " + " | ".join(cells) + " |")
             if mode != "all_gather":
                 base = rows["all_gather"]
@@ -424,6 +435,9 @@ def report_modes(results: dict[tuple[int, str], list[dict]], seq: int) -> None:
                 f"{kv / mib:.2f} | {(kv - own) / mib:.2f} | {more / mib:.2f} | "
                 f"{(planned[2] - held_gather) / mib:.2f} | {pos[0]}, {pos[1]} |"
             )
+    for (cp, mode), ranks in results.items():
+        ops = ", ".join(f"{name} {spent:.2f}" for name, spent in ranks[0]["top ops"])
+        print(f"cp={cp} {mode}, rank 0's measured step, self CPU s: {ops}")
 
 
 def main() -> None:
