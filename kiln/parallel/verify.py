@@ -76,6 +76,12 @@ def proxy_config(
             qk_rope_head_dim=4,
             v_head_dim=8,
         )
+    if m.family == "qwen3_next":
+        # Each stage's two blocks one of each kind: a Gated DeltaNet and a full attention layer;
+        # the heads (what tp splits) as the model's, narrower.
+        m.layer_types = ["linear_attention", "full_attention"] * (m.n_layers // 2)
+        a = m.linear_attention
+        a.key_head_dim, a.value_head_dim, a.chunk_size = 8, 8, 16
     t = proxy.train
     # One sequence per data rank, or per pipeline micro-batch.
     pipelined = cfg.distributed.pp > 1
