@@ -27,7 +27,7 @@ EP_RECIPE = REPO / "configs" / "train" / "moe_ep_32gpu.toml"
 MOE_PRESETS = (
     "debug_moe, deepseek_moe_16b_like, deepseek_v2_lite, deepseek_v3_671b, deepseek_v3_debug, "
     "gpt_oss_120b, gpt_oss_20b, gpt_oss_debug, mixtral_8x7b, moe_4b, qwen3_235b_a22b, "
-    "qwen3_30b_a3b"
+    "qwen3_30b_a3b, qwen3_next_80b_a3b, qwen3_next_debug"
 )
 
 
