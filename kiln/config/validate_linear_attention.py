@@ -17,10 +17,7 @@ def linear_attention_problems(cfg: JobConfig) -> list[str]:
     if m.family != FAMILY:
         return _foreign_problems(m)
     return (
-        _layer_type_problems(m)
-        + _table_problems(m)
-        + _rotary_problems(m)
-        + _layout_problems(cfg)
+        _layer_type_problems(m) + _table_problems(m) + _rotary_problems(m) + _layout_problems(cfg)
     )
 
 
@@ -114,4 +111,3 @@ def _layout_problems(cfg: JobConfig) -> list[str]:
             "passes keys), and that is not built; set distributed.cp = 1"
         )
     return p
-
