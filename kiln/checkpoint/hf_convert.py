@@ -62,6 +62,7 @@ def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
     cfg = model_config_from_hf(hf)
     tensor_files = _tensor_files(hf_dir)
     _, adapter = hf_adapter_for(hf)
+    tensor_files = _leave_out(tensor_files, adapter.left_out, hf_dir)
     names = adapter.import_names(cfg, set(tensor_files))
     check_keys(hf_dir, names, tensor_files, cfg.tie_embeddings)
     info(
@@ -84,6 +85,19 @@ def hf_to_kiln(hf_dir: str | Path, out_dir: str | Path) -> Path:
         train_state={},
         tokenizer_path=tokenizer if tokenizer.is_file() else None,
     )
+
+
+def _leave_out(
+    tensor_files: dict[str, Path], left_out: tuple[tuple[str, str], ...], hf_dir: Path
+) -> dict[str, Path]:
+    """The checkpoint's tensors but those under the adapter's left-out prefixes (parts of a
+    release kiln does not build), saying once per prefix what is left out."""
+    for prefix, what in left_out:
+        dropped = [name for name in tensor_files if name.startswith(prefix)]
+        if dropped:
+            info(f"leaving out {len(dropped)} tensors of {hf_dir} under {prefix}* ({what})")
+        tensor_files = {n: f for n, f in tensor_files.items() if not n.startswith(prefix)}
+    return tensor_files
 
 
 def _init_unmapped(model: torch.nn.Module, names: NameMap, hf_dir: Path) -> None:

@@ -40,6 +40,7 @@ def load_tensors(model: torch.nn.Module, names: NameMap, tensor_files: dict[str,
     """Fill every parameter (and persistent buffer, such as DeepSeek's routing biases) of
     `model` from the Hugging Face tensors `names` assigns it."""
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    row_counts = _row_counts(names)
     with ExitStack() as stack:
         handles = {
             file: stack.enter_context(safe_open(file, framework="pt"))
@@ -50,7 +51,7 @@ def load_tensors(model: torch.nn.Module, names: NameMap, tensor_files: dict[str,
                 continue  # kept at its initial value (the router's expert_bias: zeros)
             param = targets[kiln_name]
             for part in parts:
-                tensor = _read(handles, tensor_files, part)
+                tensor = _read(handles, tensor_files, part, row_counts.get(part.name))
                 target = param[part.expert] if part.expert is not None else param
                 if tensor.shape != target.shape:
                     half = "" if part.half is None else f"the {('gate', 'up')[part.half]} half of "
@@ -82,9 +83,12 @@ def stored_names(tensor_files: dict[str, Path]) -> set[str]:
     return (set(tensor_files) - packed) | set(bases)
 
 
-def _read(handles: dict, tensor_files: dict[str, Path], part: HfPart) -> torch.Tensor:
+def _read(
+    handles: dict, tensor_files: dict[str, Path], part: HfPart, row_count: int | None
+) -> torch.Tensor:
     """The HF tensor of `part` (dequantized where it is packed in MXFP4), or only its half (a
-    fused gate_up_proj: gate rows, then up) or every other unit, in kiln's order and layout."""
+    fused gate_up_proj: gate rows, then up), every other unit or its rows, in kiln's order and
+    layout. `row_count`: the rows the name map's parts of this tensor cover."""
     if part.name not in tensor_files:
         blocks, scales = (_whole(handles, tensor_files, part.name + s) for s in (BLOCKS, SCALES))
         tensor = dequantize_mxfp4(blocks, scales, torch.float32, part.name)
@@ -99,7 +103,15 @@ def _read(handles: dict, tensor_files: dict[str, Path], part: HfPart) -> torch.T
     if part.transposed:
         tensor = tensor.transpose(-2, -1)
     if part.rows is not None:
+        if tensor.shape[0] != row_count:
+            # Checked here: selecting rows from a larger tensor would give kiln's shape.
+            raise KilnError(
+                f"{part.name} in {_file_of(tensor_files, part.name)} has {tensor.shape[0]} rows, "
+                f"but config.json implies {row_count}; the config and weights disagree"
+            )
         tensor = tensor[list(part.rows)]
+    if part.singleton is not None:
+        tensor = tensor.squeeze(part.singleton)
     return tensor
 
 
@@ -114,8 +126,10 @@ def _whole(handles: dict, tensor_files: dict[str, Path], name: str) -> torch.Ten
 def export_tensors(model: torch.nn.Module, names: NameMap) -> dict[str, torch.Tensor]:
     """Hugging Face name -> a view of the model's tensor (one expert's slice for stacked
     experts); nothing is copied until a shard converts it, but for tensors whose rows are
-    reordered (DeepSeek's rotary rows of the query and key projections: a copy each)."""
+    reordered or joined (DeepSeek's rotary rows of the query and key projections, Qwen3-Next's
+    fused projections: a copy each)."""
     weights = {}
+    row_counts = _row_counts(names)
     for kiln_name, tensor in model.state_dict().items():
         for part in names[kiln_name]:
             if part.half is not None:
@@ -130,13 +144,29 @@ def export_tensors(model: torch.nn.Module, names: NameMap) -> dict[str, torch.Te
                     fused = weights[part.name] = torch.empty(shape, dtype=view.dtype)
                 fused[..., part.interleave :: 2] = view
                 continue
+            if part.singleton is not None:
+                view = view.unsqueeze(part.singleton)
             if part.rows is not None:
                 # Back to the Hugging Face order: HF row rows[r] is kiln row r.
-                order = torch.empty(len(part.rows), dtype=torch.long)
-                order[list(part.rows)] = torch.arange(len(part.rows))
-                view = view[order]
+                whole = weights.get(part.name)
+                if whole is None:
+                    shape = (row_counts[part.name], *view.shape[1:])
+                    whole = weights[part.name] = torch.empty(shape, dtype=view.dtype)
+                whole[list(part.rows)] = view
+                continue
             weights[part.name] = view
     return weights
+
+
+def _row_counts(names: NameMap) -> dict[str, int]:
+    """HF name -> its rows, for tensors whose kiln parts name rows (they cover each row once)."""
+    rows: dict[str, list[int]] = {}
+    for parts in names.values():
+        for part in parts:
+            if part.rows is not None:
+                rows.setdefault(part.name, []).extend(part.rows)
+    assert all(sorted(r) == list(range(len(r))) for r in rows.values()), "rows cover each once"
+    return {name: len(r) for name, r in rows.items()}
 
 
 def hf_tensor_names(names: NameMap) -> set[str]:

@@ -12,7 +12,10 @@ from kiln.errors import KilnError
 
 # What kiln/model/registry.py's families convert, both ways (tests/unit/test_model_families.py
 # checks the list against the registry).
-HF_ARCHITECTURES = "Llama, Qwen3, Mixtral, Qwen3-MoE, GptOss, DeepSeek-V3 (Kimi K2)"
+HF_ARCHITECTURES = (
+    "Llama, Qwen3, Mixtral, Qwen3-MoE, GptOss, DeepSeek-V3 (Kimi K2), Qwen3-Next, Qwen3.5 "
+    "(Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration or their text models)"
+)
 
 
 def add_parsers(subcommand) -> None:
@@ -65,7 +68,8 @@ def add_parsers(subcommand) -> None:
         "kiln-to-hf",
         help="kiln checkpoint -> HF directory, as its model's architecture: Llama (Qwen3 with "
         "qk_norm), Mixtral for MoE (Qwen3-MoE with qk_norm), GptOss with attention sinks, "
-        "DeepSeek-V3 for model.family deepseek_v3",
+        "DeepSeek-V3 for model.family deepseek_v3, Qwen3_5 (dense) or Qwen3Next (MoE) for "
+        "qwen3_next",
     )
     kiln_to_hf.add_argument("source", help="kiln checkpoint directory or step folder")
     kiln_to_hf.add_argument("output", help="new Hugging Face model directory")

@@ -72,14 +72,19 @@ class HfPart:
     expert: the HF tensor is `kiln_tensor[expert]` (one expert of a stacked 3-D parameter).
     half: the kiln tensor is this half (0 or 1) along dim 1 of the HF tensor (a fused
     gate_up_proj: gate first, then up); only read, never written.
-    rows: kiln row r is HF row rows[r], a permutation of all rows (DeepSeek's rotary dimensions,
-    interleaved in HF and half-split in kiln); export writes the inverse (a copy, not a view).
+    rows: kiln row r is HF row rows[r]: a permutation of all rows (DeepSeek's rotary dimensions,
+    interleaved in HF and half-split in kiln), or one part of them where several kiln tensors
+    share one HF tensor (Qwen3-Next's fused in_proj_qkvz, each tensor's rows head by head), the
+    parts of one HF tensor covering its rows once; export writes every kiln row back to its HF
+    row (a copy, not a view).
     copy: the HF tensor repeats another part of the same kiln tensor (DeepSeek-V3's MTP layer
     stores the embedding and head again): written on export, checked equal on import.
     interleave: the kiln tensor is every other entry of the HF tensor's last dim from this one
     (0 or 1: gpt-oss's gate_up_proj alternates gate and up units); written back interleaved.
     transposed: the HF tensor holds the kiln tensor's last two dims swapped (gpt-oss's experts
     are (experts, in, out), kiln's (experts, out, in)).
+    singleton: the HF tensor has one more dim, of size 1, at this position (a depthwise Conv1d's
+    weight (channels, 1, kernel) against kiln's (channels, kernel)).
     """
 
     name: str
@@ -89,6 +94,7 @@ class HfPart:
     copy: bool = False
     interleave: int | None = None
     transposed: bool = False
+    singleton: int | None = None
 
 
 # kiln name -> the Hugging Face tensors it is made of; a kiln tensor with no parts (the MoE
@@ -112,6 +118,9 @@ class HfAdapter:
     export_problems: Callable[[ModelConfig], list[str]]
     # Refuses a built model whose state the architecture cannot hold (e.g. moved routing biases).
     check_export_model: Callable[[nn.Module], None] = lambda model: None
+    # (name prefix, what those tensors are) of checkpoint tensors import leaves out, saying so
+    # once per prefix: parts of a release kiln does not build (a vision encoder, an MTP layer).
+    left_out: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,3 +141,6 @@ class ModelFamily:
     count_params: Callable[[ModelConfig], ParamCount]
     flops_per_token: Callable[[ModelConfig, int], int]
     attention_terms: Callable[[ModelConfig], AttentionTerms]
+    # What runs the family's own layers on a device (torch.device or its name), for the
+    # start-up summary; None: kiln's shared attention kernels only.
+    kernels: Callable[[ModelConfig, Any], str] | None = None

@@ -6,10 +6,10 @@ rotary positions. Covers Qwen3-Next and the Qwen3.5 text models. docs/models.md.
 from __future__ import annotations
 
 from kiln.config.sections import ModelConfig
-from kiln.errors import KilnError
-from kiln.model.family import HfAdapter, ModelFamily
+from kiln.model.family import ModelFamily
 from kiln.model.forward_args import StageRole
 from kiln.model.qwen3_next.counts import attention_terms, count_params, flops_per_token
+from kiln.model.qwen3_next.hf_adapters import ADAPTERS, export_adapter
 
 
 def _build(cfg: ModelConfig, stage: StageRole | None = None):
@@ -19,26 +19,31 @@ def _build(cfg: ModelConfig, stage: StageRole | None = None):
     return Transformer(cfg, stage)
 
 
+def _kernels(cfg: ModelConfig, device) -> str:
+    from kiln.model.qwen3_next.delta_rule import kernel_name
+
+    linear = sum(map(cfg.is_linear_attention_layer, range(cfg.n_layers)))
+    kernel = kernel_name(cfg.linear_attention.kernel, device)
+    return (
+        f"{linear} Gated DeltaNet layers (gated delta rule: {kernel} kernel), "
+        f"{cfg.n_layers - linear} full attention"
+    )
+
+
 def _parallel_plan(cfg: ModelConfig):
     from kiln.model.qwen3_next.plan import qwen3_next_plan
 
     return qwen3_next_plan(cfg)
 
 
-def _export_adapter(cfg: ModelConfig) -> HfAdapter:
-    raise KilnError(
-        "model.family 'qwen3_next' has no Hugging Face export yet (Qwen3-Next and Qwen3.5 "
-        "conversion is not built); keep the kiln checkpoint"
-    )
-
-
 FAMILY = ModelFamily(
     name="qwen3_next",
     build=_build,
     parallel_plan=_parallel_plan,
-    hf_adapters=(),
-    export_adapter=_export_adapter,
+    hf_adapters=ADAPTERS,
+    export_adapter=export_adapter,
     count_params=count_params,
     flops_per_token=flops_per_token,
     attention_terms=attention_terms,
+    kernels=_kernels,
 )
