@@ -12,7 +12,7 @@ recurrent reference keeps every step's state for backward (seq·heads·dim² flo
 tokens and width 128) and backward runs its thousands of small steps one by one, so it runs up
 to --recurrent-max-seq only: its cost is linear in seq, the ratio to the chunked one steady.
 
-    OMP_NUM_THREADS=2 python benchmarks/delta_rule.py [--seq 512 1024 ...] [--dims 64 128]
+    OMP_NUM_THREADS=1 python benchmarks/delta_rule.py [--seq 512 1024 ...] [--dims 64 128]
 """
 
 from __future__ import annotations
