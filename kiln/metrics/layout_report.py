@@ -10,6 +10,7 @@ from kiln.config import JobConfig, resolve_layout
 from kiln.config.training_schedule import TrainingSchedule
 from kiln.metrics.layout_summary import context_parallel_summary, float8_summary
 from kiln.model import count_params, flops_per_token
+from kiln.model.registry import family_of
 from kiln.parallel.pipeline_split import pipeline_summary
 from kiln.plan.memory import estimate_memory
 from kiln.plan.model_state import expert_shards
@@ -22,10 +23,12 @@ def startup_summary(
     start_step: int,
     *,
     peer_start: str | None = None,
+    device: object = "cpu",
 ) -> str:
     """What `kiln train` prints on rank 0 before the first step: the model, `layout_report`,
     where the run writes and where it starts from (`peer_start`: the state a live replica group
-    sent this one under fault tolerance, in place of a checkpoint or scratch)."""
+    sent this one under fault tolerance, in place of a checkpoint or scratch); `device`: the
+    one the run trains on, which picks a family's own kernels."""
     m = cfg.model
     model = f"model {m.preset or 'custom'}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads"
     if m.family == "deepseek_v3":  # MLA: queries and keys are wider than values, head_dim unused
@@ -37,6 +40,9 @@ def startup_summary(
         model += f" of {m.resolved_head_dim}"
     if m.moe.num_experts > 0:
         model += f", {m.moe.num_experts} experts top-{m.moe.top_k}"
+    kernels = family_of(m).kernels
+    if kernels is not None:
+        model += f"; {kernels(m, device)}"
     start = peer_start or (
         f"{start_path} (step {start_step})" if start_path is not None else "scratch"
     )

@@ -98,7 +98,8 @@ class Trainer:
             write_config(cfg, self.run_dir / "config.toml")
             world = self.parallel.job_world_size
             peer = self.replicas.peer_start() if self.replicas is not None else None
-            print(startup_summary(cfg, world, start.path, start.step, peer_start=peer), flush=True)
+            at = {"peer_start": peer, "device": self.device}  # the device picks a family's kernels
+            print(startup_summary(cfg, world, start.path, start.step, **at), flush=True)
         main, max_steps = self.parallel.is_main, cfg.train.max_steps
         self.end = RunEnd(
             self.checkpoints, self.events, save=self.save, max_steps=max_steps, is_main=main

@@ -48,7 +48,9 @@ def test_kiln_train_runs_the_recipe_and_kiln_generate_continues(demo_data, tmp_p
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 3 and all(map(math.isfinite, losses))
-    capsys.readouterr()
+    # The start-up summary names the kernel the linear layers run (the CPU's: torch's chunked).
+    started = capsys.readouterr().out
+    assert "3 Gated DeltaNet layers (gated delta rule: torch kernel), 1 full attention" in started
     checkpoint = run / "checkpoints" / "step_00000003"
     prompt = ["generate", str(checkpoint), "--prompt", "def main(", "--max-new-tokens", "4"]
     assert main([*prompt, "--device", "cpu"]) == 0
