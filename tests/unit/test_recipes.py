@@ -33,6 +33,7 @@ RECIPES = {
     "llama3_8b_512k_64gpu": (64, {"dp_shard": 1, "cp": 32, "tp": 2}),
     # Continued pretraining from released weights (docs/models.md)
     "qwen3_8b_16gpu_continue": (16, {"dp_shard": 16, "tp": 1}),
+    "qwen3_5_9b_16gpu_continue": (16, {"dp_shard": 16, "tp": 1}),
     # DeepSeek-V3 family (docs/models.md)
     "deepseek_v2_lite_16gpu_ep8": (16, {"dp_shard": 2, "ep": 8, "tp": 1}),
     # gpt-oss (docs/models.md)
