@@ -82,7 +82,9 @@ def qwen3_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     kind, text = text_config(hf)
     name = TEXT_TYPES[kind][1]
     moe = kind == "qwen3_5_moe_text" or (kind == "qwen3_next" and text.get("num_experts", 1) > 0)
-    required = _BASE_KEYS + (_MOE_KEYS if moe else ()) + (("intermediate_size",) * (not moe))
+    # Qwen3-Next's dense blocks (mlp_only_layers) are intermediate_size wide.
+    dense = ("intermediate_size",) if kind != "qwen3_5_moe_text" else ()
+    required = (*_BASE_KEYS, *(_MOE_KEYS if moe else ()), *dense)
     missing = [key for key in required if key not in text]
     if missing:
         raise KilnError(f"config.json lacks {', '.join(missing)}; is it a complete {name} config?")
@@ -96,7 +98,10 @@ def qwen3_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             + "; ".join(problems)
             + ". kiln would load it but compute different outputs"
         )
-    value = lambda key: text.get(key, _DEFAULTS[key])  # noqa: E731
+
+    def value(key: str) -> Any:
+        return text.get(key, _DEFAULTS[key])
+
     return ModelConfig(
         family="qwen3_next",
         dim=text["hidden_size"],
@@ -105,7 +110,7 @@ def qwen3_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         n_kv_heads=text["num_key_value_heads"],
         head_dim=int(value("head_dim")),
         vocab_size=text["vocab_size"],
-        # Unused where every block is MoE; then the experts' width, as kiln's presets write it.
+        # Qwen3.5-MoE has no dense block and no intermediate_size: the experts' width stands in.
         ffn_hidden_dim=text.get("intermediate_size") or text.get("moe_intermediate_size"),
         norm_eps=float(value("rms_norm_eps")),
         rope_theta=float(rope["rope_theta"]),
