@@ -80,7 +80,7 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule one token at a time: the reference every other kernel matches."""
     dtype, out_dtype = _compute_dtype(q), v.dtype
-    batch, seq, heads, key_dim = k.shape
+    batch, _, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (q, k, v))
     decay, beta = (x.transpose(1, 2).to(dtype) for x in (g.exp(), beta))
@@ -93,12 +93,13 @@ def recurrent_gated_delta_rule(
         else initial_state.to(dtype)
     )
     outs = []
-    for t in range(seq):
-        k_t, v_t = k[:, :, t], v[:, :, t]
-        state = state * decay[:, :, t, None, None]
-        delta = (v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)) * beta[:, :, t, None]
+    # unbind rather than index per token: see chunk_gated_delta_rule.
+    steps = (q, k, v, decay[..., None, None], beta[..., None])
+    for q_t, k_t, v_t, decay_t, beta_t in zip(*(x.unbind(2) for x in steps), strict=True):
+        state = state * decay_t
+        delta = (v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)) * beta_t
         state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]) * scale)
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q_t) * scale)
     return torch.stack(outs, dim=1).to(out_dtype), (state if output_final_state else None)
 
 
@@ -164,10 +165,15 @@ def chunk_gated_delta_rule(
         else initial_state.to(dtype)
     )
     outs = []
-    for c in range(chunks):
-        u = u_fresh[:, :, c] - u_from_state[:, :, c] @ state
-        outs.append(entry_queries[:, :, c] @ state + scores[:, :, c] @ u)
-        state = state * carry[:, :, c, None, None] + exit_keys[:, :, c].transpose(-1, -2) @ u
+    # unbind, not indexing per chunk: the backward of an index writes a zero-filled gradient the
+    # size of the whole tensor for every chunk, quadratic in seq; unbind's stacks them once.
+    per_chunk = (u_fresh, u_from_state, entry_queries, scores, exit_keys, carry[..., None, None])
+    for fresh, from_state, queries, chunk_scores, keys, chunk_carry in zip(
+        *(x.unbind(2) for x in per_chunk), strict=True
+    ):
+        u = fresh - from_state @ state
+        outs.append(queries @ state + chunk_scores @ u)
+        state = state * chunk_carry + keys.transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk_size, value_dim)
     out = out[:, :, :seq].transpose(1, 2).to(out_dtype)
     return out, (state if output_final_state else None)
