@@ -155,7 +155,7 @@ def worker(seq: int, steps: int, mode: str) -> None:
         # What attention keeps (cp > 1 only: cp=1 has no mask), (batch, ...): SDPA's float copy
         # of kiln's bool mask, (1, queries, keys) (the ring's Function holds its bool masks as an
         # attribute, unseen here); keys and values (a view of the gathered buffer, the re-split
-        # K/V of all-to-all, the ring's own); queries and output (the ring's fp32 merge).
+        # K/V of all-to-all, the ring's own); queries and output (the ring's as it returns it).
         kind = {
             (1, queries, keys): "mask",
             (m.n_kv_heads // heads_split, keys, m.resolved_head_dim): "kv",
