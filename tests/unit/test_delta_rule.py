@@ -137,6 +137,10 @@ def test_bf16_inputs_accumulate_in_fp32():
     # The inputs' bf16 rounding (2^-9 relative) moves outputs of size O(1) by a few times that;
     # the kernel itself adds fp32 rounding only, so 3e-2 absolute is a loose upper band.
     torch.testing.assert_close(out.float(), exact, atol=3e-2, rtol=0)
+    # Under bf16 autocast, as training without FSDP runs, the kernel's products stay fp32.
+    with torch.autocast("cpu", torch.bfloat16):
+        autocast = chunk_gated_delta_rule(*inputs[:5], scale=SCALE, chunk_size=CHUNK)[0]
+    assert torch.equal(autocast, exact)
 
 
 def test_kernel_choice():

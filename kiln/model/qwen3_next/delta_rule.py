@@ -34,7 +34,8 @@ decays inside a document keep their fp32 precision (a large negative g instead w
 Guarantees: both torch functions take (batch, seq, heads, width) q, k, v and (batch, seq, heads)
 g ≤ 0, β; compute in fp32 (fp64 inputs in fp64, bf16 inputs accumulate in fp32); return the
 output in v's dtype and the final state (batch, heads, key_dim, value_dim) in the compute dtype;
-are differentiable by autograd in every input, the initial state included. They agree to
+are differentiable by autograd in every input, the initial state included; turn autocast off
+inside (its bf16 products would break the fp32 accumulation). They agree to
 rounding (tests/unit/test_delta_rule.py: fp64 to ~1e-12, and with transformers' references).
 
 `gated_delta_rule` runs fla-core's Triton kernel (kernel "fla", or "auto" on CUDA when fla-core
@@ -66,6 +67,19 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _autocast_off(kernel: Callable) -> Callable:
+    """Run `kernel` outside autocast: under bf16 autocast its products would round to bf16
+    instead of accumulating in the compute dtype the kernel promises."""
+
+    @functools.wraps(kernel)
+    def run(q: torch.Tensor, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return kernel(q, *args, **kwargs)
+
+    return run
+
+
+@_autocast_off
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,6 +117,7 @@ def recurrent_gated_delta_rule(
     return torch.stack(outs, dim=1).to(out_dtype), (state if output_final_state else None)
 
 
+@_autocast_off
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
