@@ -219,6 +219,8 @@ def gated_delta_rule(
     }
     if kernel_name(kernel, q.device) == "fla":
         return _fla_chunk(*args, **options)
+    if q.shape[1] == 1:  # a generation step: one token, not a chunk padded to chunk_size
+        return recurrent_gated_delta_rule(*args, **options)
     return chunk_gated_delta_rule(*args, **options, chunk_size=chunk_size)
 
 
