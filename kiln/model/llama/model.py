@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from kiln.config.sections import ModelConfig
 from kiln.model.decoder_block import DecoderBlock
@@ -16,6 +14,7 @@ from kiln.model.kv_cache import KVCache
 from kiln.model.llama.attention import Attention
 from kiln.model.moe.balancing import AuxLossScale
 from kiln.model.moe.block import MoEFeedForward
+from kiln.model.output_head import output_logits, output_weight
 from kiln.model.rope import model_rope_tables
 
 
@@ -103,16 +102,11 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if not apply_head:
             return h
-        if self.output is None:
-            if isinstance(h, DTensor):  # tensor parallel: gather the sequence, keep the vocab split
-                h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        return output_logits(h, self.output, self.tok_embeddings)
 
     def head_weight(self) -> torch.Tensor:
-        """The output head's weight (vocab, dim): the embedding's when tied. Read it after the
-        forward, never kept: FSDP swaps the parameters between sharded and gathered."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        """The output head's weight (vocab, dim): the embedding's when tied."""
+        return output_weight(self.output, self.tok_embeddings)
 
     def init_buffers(self) -> None:
         """Recompute the rotary tables and zero the MoE balancing state (buffers hold garbage

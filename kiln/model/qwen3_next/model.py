@@ -5,9 +5,8 @@ kiln's Mixture of Experts; partial rotary positions in the full-attention layers
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
 from kiln.model.document_mask import LayerMask, layer_masks
@@ -17,6 +16,7 @@ from kiln.model.init import init_decoder_weights, shard_regions, tile_seed
 from kiln.model.moe.balancing import AuxLossScale
 from kiln.model.moe.block import MoEFeedForward
 from kiln.model.names import canonical_name
+from kiln.model.output_head import output_logits, output_weight
 from kiln.model.qwen3_next.attention import GatedAttention
 from kiln.model.qwen3_next.gated_deltanet import GatedDeltaNet
 from kiln.model.qwen3_next.norms import rms_norm
@@ -154,16 +154,11 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if not apply_head:
             return h
-        if self.output is None:
-            if isinstance(h, DTensor):  # tensor parallel: gather the sequence, keep the vocab split
-                h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        return output_logits(h, self.output, self.tok_embeddings)
 
     def head_weight(self) -> torch.Tensor:
-        """The output head's weight (vocab, dim): the embedding's when tied. Read it after the
-        forward, never kept: FSDP swaps the parameters between sharded and gathered."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        """The output head's weight (vocab, dim): the embedding's when tied."""
+        return output_weight(self.output, self.tok_embeddings)
 
     def generation_cache(
         self, *, batch: int, max_len: int, device: torch.device | str, dtype: torch.dtype
