@@ -126,10 +126,12 @@ def masked_attention(
     """Grouped-query attention of (batch, heads, seq, head_dim) tensors under `mask`; `scale`:
     the softmax's (None: 1 / sqrt(head_dim)); `sinks`: one logit per head (of these heads)
     that joins every query's softmax with no value of its own."""
-    if sinks is not None:
-        return with_sinks(*attention_with_lse(q, k, v, mask, scale=scale), sinks)
     if isinstance(mask, BlockMask):
+        if sinks is not None:
+            return with_sinks(*attention_with_lse(q, k, v, mask, scale=scale), sinks)
         return _flex(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    if sinks is not None:
+        return _dense_attention_with_sinks(q, k, v, mask, scale=scale, sinks=sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -160,6 +162,28 @@ def attention_with_lse(
     # A row with no visible key: weights exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
     weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
     return weights.to(v.dtype) @ v, lse
+
+
+def _dense_attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """The softmax written out with the sink as one more column (SDPA has no place for it):
+    the kernel of CPU runs, where the scores of a sequence fit in memory. One softmax, as one
+    process computes it; ring attention, which merges blocks, joins the sinks by the lse
+    (`with_sinks`) instead."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights.to(v.dtype) @ v
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
