@@ -61,3 +61,36 @@ def test_fla_matches_torch_chunked(with_documents: bool, device: torch.device) -
     names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "dstate"]
     for name, a, b in zip(names, fla, torch_chunked, strict=True):
         assert normwise(a, b) <= RELATIVE, name
+
+
+@pytest.mark.cuda_only("the kernels kiln compiles around on CUDA")
+@pytest.mark.parametrize("kernel", ["torch", "fla"])
+def test_compiled_layer_matches_eager(kernel: str, device: torch.device) -> None:
+    # A Gated DeltaNet layer in a compiled block (the chunked kernel's pass from chunk to chunk
+    # and fla's kernel run eagerly inside it) gives the eager layer's output and gradients.
+    if kernel == "fla":
+        pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core)")
+    from kiln.config.load import config_from_dict
+    from kiln.model.qwen3_next.gated_deltanet import GatedDeltaNet
+
+    model = {"preset": "qwen3_next_debug", "linear_attention": {"kernel": kernel}}
+    cfg = config_from_dict({"model": model}).model
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg).to(device)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.05)
+    x = torch.randn(BATCH, SEQ, cfg.dim, device=device)
+    starts = torch.rand(BATCH, SEQ, device=device) < 0.02
+    results = []
+    for run in (layer, torch.compile(layer)):
+        leaf = x.clone().requires_grad_()
+        out = run(leaf, document_starts=starts)
+        out.square().mean().backward()
+        results.append([out, leaf.grad, *(p.grad for p in layer.parameters())])
+        layer.zero_grad(set_to_none=True)
+    # fp32 throughout with the torch kernel: compiled fusions reorder roundings only (~1e-6
+    # normwise over a few hundred ops). fla rounds its inputs to bf16 inside, where a last-bit
+    # difference of the compiled inputs can flip a bf16 rounding: the band above.
+    band = 1e-5 if kernel == "torch" else RELATIVE
+    for eager, compiled in zip(*results, strict=True):
+        assert normwise(compiled, eager) <= band

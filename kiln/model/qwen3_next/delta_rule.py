@@ -179,19 +179,31 @@ def chunk_gated_delta_rule(
         if initial_state is None
         else initial_state.to(dtype)
     )
+    per_chunk = (u_fresh, u_from_state, entry_queries, scores, exit_keys, carry[..., None, None])
+    out, state = _carry_state_through_chunks(per_chunk, state)
+    out = out.reshape(batch, heads, chunks * chunk_size, value_dim)
+    out = out[:, :, :seq].transpose(1, 2).to(out_dtype)
+    return out, (state if output_final_state else None)
+
+
+# Eager inside a compiled block: traced, the loop unrolls into one copy per chunk, so the graph
+# and its compile time grow with seq / chunk_size and every sequence length recompiles; its few
+# products per chunk gain nothing from fusion. The work batched over chunks before it compiles.
+@torch.compiler.disable
+def _carry_state_through_chunks(
+    per_chunk: tuple[torch.Tensor, ...], state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part of the chunked kernel: each chunk's output and the state it hands on."""
     outs = []
     # unbind, not indexing per chunk: the backward of an index writes a zero-filled gradient the
     # size of the whole tensor for every chunk, quadratic in seq; unbind's stacks them once.
-    per_chunk = (u_fresh, u_from_state, entry_queries, scores, exit_keys, carry[..., None, None])
     for fresh, from_state, queries, chunk_scores, keys, chunk_carry in zip(
         *(x.unbind(2) for x in per_chunk), strict=True
     ):
         u = fresh - from_state @ state
         outs.append(queries @ state + chunk_scores @ u)
         state = state * chunk_carry + keys.transpose(-1, -2) @ u
-    out = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk_size, value_dim)
-    out = out[:, :, :seq].transpose(1, 2).to(out_dtype)
-    return out, (state if output_final_state else None)
+    return torch.stack(outs, dim=2), state
 
 
 def gated_delta_rule(
@@ -256,6 +268,9 @@ def _fla_import() -> Callable | None:
     return fla_chunk
 
 
+# Eager inside a compiled block: fla's kernels are Triton already, and the documents' cu_seqlens
+# have a data-dependent length, which would break the graph there anyway.
+@torch.compiler.disable
 def _fla_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
