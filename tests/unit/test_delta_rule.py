@@ -21,6 +21,7 @@ from kiln.model.qwen3_next.delta_rule import (
     kernel_name,
     recurrent_gated_delta_rule,
 )
+from kiln.model.qwen3_next.short_conv import conv_silu
 
 BATCH, SEQ, HEADS, KEY_DIM, VALUE_DIM, CHUNK = 2, 40, 2, 8, 6, 8
 SCALE = KEY_DIM**-0.5
@@ -200,3 +201,36 @@ def test_causal_depthwise_conv():
             alone = causal_depthwise_conv(x[row : row + 1, begin:end], weight)
             # fp64 sums of 4 taps in another order: a few ulps.
             torch.testing.assert_close(packed[row, begin:end], alone[0], atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("seq", [SEQ, 2])
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_conv_silu_keeps_its_input_only_and_differentiates_as_written_out(seq, with_documents):
+    """The fused convolution + SiLU gives the written-out one's output bit for bit, and its
+    gradients to fp64 rounding, with documents or without, and for fewer tokens than taps."""
+    channels, taps = 6, 4
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(BATCH, seq, channels, generator=gen, dtype=torch.float64)
+    weight = torch.randn(channels, taps, generator=gen, dtype=torch.float64)
+    starts = document_starts()[:, :seq] if with_documents else None
+    upstream = torch.randn(BATCH, seq, channels, generator=gen, dtype=torch.float64)
+    results, saved = [], []
+    for conv in (conv_silu, lambda *a, **k: F.silu(causal_depthwise_conv(*a, **k))):
+        leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+        kept: list[torch.Tensor] = []
+
+        def keep(tensor: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
+            kept.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            out = conv(*leaves, document_starts=starts)
+        results.append([out, *torch.autograd.grad((out * upstream).sum(), leaves)])
+        saved.append(sum(t.numel() for t in kept if t.dtype == x.dtype and t.dim() == 3))
+    fused, written_out = results
+    assert torch.equal(fused[0], written_out[0])
+    for a, b in zip(fused[1:], written_out[1:], strict=True):
+        # fp64 sums of the same 4 taps' products in another order: a few ulps.
+        torch.testing.assert_close(a, b, atol=1e-13, rtol=0)
+    # The input alone, against a copy per tap with documents (and the pre-activation).
+    assert saved[0] == x.numel() < saved[1]

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from kiln.config.sections import ModelConfig
 from kiln.model.qwen3_next.delta_rule import causal_depthwise_conv, gated_delta_rule
 from kiln.model.qwen3_next.norms import GatedRMSNorm
+from kiln.model.qwen3_next.short_conv import conv_silu
 
 # Inside the square root of the L2 norm of queries and keys, as Hugging Face and fla-core add it.
 L2_EPS = 1e-6
@@ -114,7 +115,7 @@ class GatedDeltaNet(nn.Module):
         generation (zeros before the first token, as the convolution's padding)."""
         weight = local(weight)
         if cache is None:
-            return F.silu(causal_depthwise_conv(x, weight, document_starts=document_starts))
+            return conv_silu(x, weight, document_starts=document_starts)
         before = cache.conv.get(key)
         joined = torch.cat([before.to(x.dtype), x], dim=1) if before is not None else x
         cache.conv[key] = joined[:, max(joined.shape[1] - (weight.shape[-1] - 1), 0) :]
