@@ -66,6 +66,19 @@ class AttentionTerms:
 
 
 @dataclass(frozen=True)
+class LinearMixerTerms:
+    """Blocks whose token mixer is a linear recurrence, not attention (Gated DeltaNet), as the
+    planner's memory terms need them; the model's other blocks are attention (`AttentionTerms`)."""
+
+    layers: int  # how many of the model's blocks
+    params: int  # weights of one mixer, an FSDP unit, split over tp by heads
+    # Activations one mixer keeps for backward per token, bf16 compute on CUDA with the
+    # family's GPU kernel, beyond the block's norm and the normalized input its projections
+    # share (counted as attention's are): split over tp by heads.
+    kept_bytes_per_token: int
+
+
+@dataclass(frozen=True)
 class HfPart:
     """One Hugging Face tensor, or a half of one, that holds (part of) a kiln tensor.
 
@@ -144,3 +157,5 @@ class ModelFamily:
     # What runs the family's own layers on a device (torch.device or its name), for the
     # start-up summary; None: kiln's shared attention kernels only.
     kernels: Callable[[ModelConfig, Any], str] | None = None
+    # The blocks whose token mixer is not attention; None: every block's is.
+    linear_mixer_terms: Callable[[ModelConfig], LinearMixerTerms | None] | None = None

@@ -137,11 +137,29 @@ def mtp_bytes_per_token(
     return (norm_inputs / tp if sp else norm_inputs) + 4 * m.dim + head_input
 
 
-def layer_bytes_per_token(m: ModelConfig, *, moe: bool, tp: int = 1, sp: bool = True) -> float:
-    """Activation bytes one token keeps in one layer without checkpointing, on one tp rank."""
-    common = attention_bytes_per_token(m, tp, sp=sp)
-    common += ffn_norm_bytes_per_token(m, tp, sp=sp, moe=moe)
-    return common + (moe_ffn_bytes_per_token(m) / tp if moe else swiglu_bytes_per_token(m, tp))
+def linear_mixer_bytes_per_token(m: ModelConfig, tp: int = 1, *, sp: bool = True) -> float:
+    """Bytes a block's linear mixer (a Gated DeltaNet, `LinearMixerTerms`), its norm included,
+    keeps for one token: the norm's input and the normalized input as attention's, and what the
+    family counts, split over tp by heads."""
+    terms = model_facts.linear_mixer(m)
+    assert terms is not None, "a linear mixer's bytes asked of a model without one"
+    norm_input = 2 * m.dim + RSTD_BYTES
+    return (norm_input / tp if sp else norm_input) + 2 * m.dim + terms.kept_bytes_per_token / tp
+
+
+def ffn_bytes_per_token(m: ModelConfig, *, moe: bool, tp: int = 1, sp: bool = True) -> float:
+    """Bytes the feed-forward half of a block, its norm included, keeps for one token."""
+    norm = ffn_norm_bytes_per_token(m, tp, sp=sp, moe=moe)
+    return norm + (moe_ffn_bytes_per_token(m) / tp if moe else swiglu_bytes_per_token(m, tp))
+
+
+def layer_bytes_per_token(
+    m: ModelConfig, *, moe: bool, tp: int = 1, sp: bool = True, linear: bool = False
+) -> float:
+    """Activation bytes one token keeps in one layer without checkpointing, on one tp rank;
+    `linear`: a block whose token mixer is a linear recurrence rather than attention."""
+    mixer = linear_mixer_bytes_per_token if linear else attention_bytes_per_token
+    return mixer(m, tp, sp=sp) + ffn_bytes_per_token(m, moe=moe, tp=tp, sp=sp)
 
 
 def backward_transient_bytes_per_token(m: ModelConfig, tp: int = 1) -> float:
@@ -273,17 +291,10 @@ def activation_bytes(
     checkpointed = CHECKPOINTED_LAYER_BYTES * m.dim * tokens / (tp if sp else 1)
     layers = model_facts.stage_layers(m, degrees["pp"])
     n_checkpointed = checkpointed_layers(cfg.train.activation_checkpointing, layers)
-    # Which layers a rank holds and which of them are checkpointed is not worked out here: the
-    # worst case is assumed, the rank holding as many MoE layers as there are and the biggest
-    # layers being the ones that are not checkpointed.
-    mtp_moe = model_facts.mtp_moe_blocks(m)
-    moe_layers = min(layers, model_facts.moe_layers(m) - mtp_moe)
-    (big, n_big), (small, _) = sorted(
-        [(moe, moe_layers), (dense, layers - moe_layers)], key=lambda size: -size[0] * bool(size[1])
-    )
+    sizes = stage_layer_sizes(cfg, degrees, tokens=tokens, gathered=gathered, sp=sp)
+    # The biggest layers are the ones not checkpointed (the worst case).
     whole = layers - n_checkpointed
-    per_micro_batch = n_checkpointed * checkpointed
-    per_micro_batch += min(whole, n_big) * big + max(0, whole - n_big) * small
+    per_micro_batch = n_checkpointed * checkpointed + sum(sizes[:whole])
     # The last stage's MTP depths, each checkpointed whole or kept: its block and what
     # surrounds it.
     for layer in model_facts.mtp_layers(m):
@@ -296,8 +307,31 @@ def activation_bytes(
     # activations besides, recomputed.
     ffn = backward_transient_bytes_per_token(m, tp) * tokens
     transient = max(ffn, cp_transient_bytes(cfg, degrees))
-    recompute = (big if n_checkpointed else 0) + transient
+    recompute = (sizes[0] if n_checkpointed else 0) + transient
     return Activations(kept=in_flight * per_micro_batch, recompute=recompute)
+
+
+def stage_layer_sizes(
+    cfg: JobConfig, degrees: dict[str, int], *, tokens: float, gathered: float, sp: bool
+) -> list[float]:
+    """Bytes each of the busiest stage's blocks keeps for one micro-batch, biggest first.
+
+    Which blocks a rank holds is not worked out: the worst case is assumed, the rank holding
+    the biggest token mixers (a linear mixer or attention, whichever keeps more, as many as
+    the model has) paired with the biggest feed-forwards (MoE or dense). `gathered`: what
+    attention keeps beyond its tokens for context parallel's exchange; `sp`: sequence parallel."""
+    m, tp = cfg.model, degrees["tp"]
+    layers = model_facts.stage_layers(m, degrees["pp"])
+    n_linear = model_facts.linear_mixer_layers(m)
+    attention = attention_bytes_per_token(m, tp, sp=sp) * tokens + gathered
+    mixers = [attention] * (m.n_layers - n_linear)
+    if n_linear:
+        mixers += [linear_mixer_bytes_per_token(m, tp, sp=sp) * tokens] * n_linear
+    n_moe = model_facts.moe_layers(m) - model_facts.mtp_moe_blocks(m)
+    ffns = [ffn_bytes_per_token(m, moe=True, tp=tp, sp=sp) * tokens] * n_moe
+    ffns += [ffn_bytes_per_token(m, moe=False, tp=tp, sp=sp) * tokens] * (m.n_layers - n_moe)
+    pairs = zip(sorted(mixers, reverse=True)[:layers], sorted(ffns, reverse=True), strict=False)
+    return [mixer + ffn for mixer, ffn in pairs]
 
 
 def logit_bytes(cfg: JobConfig, degrees: dict[str, int], impl: Implementation = KILN) -> float:

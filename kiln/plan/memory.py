@@ -109,11 +109,15 @@ def fsdp_sharded(degrees: dict[str, int]) -> bool:
 
 def largest_unit_params(m: ModelConfig, degrees: dict[str, int]) -> float:
     """Parameters of the largest FSDP unit inside a block on one tp rank: attention (split by tp
-    but what tp leaves whole: MLA's down-projections and latent norms), the dense feed-forward
+    but what tp leaves whole: MLA's down-projections and latent norms), a linear mixer (split by
+    tp; the Gated DeltaNet's gated norm, replicated, is a few hundred), the dense feed-forward
     (split by tp), or one ep rank's routed experts (whole, all of them)."""
     a = model_facts.attention(m)
     attention = (a.params - a.replicated_params) / degrees["tp"] + a.replicated_params
     units = [attention]
+    linear_mixer = model_facts.linear_mixer(m)
+    if linear_mixer is not None:
+        units.append(linear_mixer.params / degrees["tp"])
     if model_facts.moe_layers(m) < model_facts.blocks(m):
         units.append(3 * m.dim * m.ffn_hidden_dim / degrees["tp"])
     if m.moe.num_experts > 0:

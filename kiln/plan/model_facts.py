@@ -17,13 +17,14 @@ import math
 
 from kiln.config.sections import ModelConfig
 from kiln.model import ParamCount, count_params, flops_per_token
-from kiln.model.family import AttentionTerms
+from kiln.model.family import AttentionTerms, LinearMixerTerms
 from kiln.model.registry import family_of
 
 _PARAMS: dict[tuple, ParamCount] = {}
 _MOE_LAYERS: dict[tuple, int] = {}
 _FLOPS: dict[tuple, int] = {}
 _ATTENTION: dict[tuple, AttentionTerms] = {}
+_LINEAR_MIXER: dict[tuple, LinearMixerTerms | None] = {}
 _LIMIT = 256
 
 
@@ -104,6 +105,21 @@ def attention(m: ModelConfig) -> AttentionTerms:
     return (
         found if found is not None else _remember(_ATTENTION, key, family_of(m).attention_terms(m))
     )
+
+
+def linear_mixer(m: ModelConfig) -> LinearMixerTerms | None:
+    """The blocks whose token mixer is not attention, as the family describes them (None: none)."""
+    key = _key(m)
+    if key not in _LINEAR_MIXER:
+        terms = family_of(m).linear_mixer_terms
+        _remember(_LINEAR_MIXER, key, terms(m) if terms is not None else None)
+    return _LINEAR_MIXER[key]
+
+
+def linear_mixer_layers(m: ModelConfig) -> int:
+    """How many of the model's blocks have a linear mixer instead of attention."""
+    terms = linear_mixer(m)
+    return terms.layers if terms is not None else 0
 
 
 def attention_flops(m: ModelConfig, seq_len: int) -> int:

@@ -94,3 +94,41 @@ def test_compiled_layer_matches_eager(kernel: str, device: torch.device) -> None
     band = 1e-5 if kernel == "torch" else RELATIVE
     for eager, compiled in zip(*results, strict=True):
         assert normwise(compiled, eager) <= band
+
+
+@pytest.mark.cuda_only("fla-core runs on CUDA only")
+def test_layer_on_fla_keeps_what_the_planner_counts(device: torch.device) -> None:
+    # The planner's Gated DeltaNet (kiln/model/qwen3_next/counts.py): what the layer keeps
+    # around its kernel (measured on CPU too, tests/unit/test_plan_memory_linear.py) and what
+    # fla-core's kernel keeps besides, per token, bf16.
+    pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core)")
+    from kiln.config.load import config_from_dict
+    from kiln.model.qwen3_next.counts import fla_kernel_bytes, gated_deltanet_bytes_around_kernel
+    from kiln.model.qwen3_next.gated_deltanet import GatedDeltaNet
+
+    model = {"preset": "qwen3_next_debug", "linear_attention": {"kernel": "fla"}}
+    cfg = config_from_dict({"model": model}).model
+    layer = GatedDeltaNet(cfg).to(device, torch.bfloat16)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.05)
+
+    def saved(batch: int) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        x = torch.randn(batch, 256, cfg.dim, device=device, dtype=torch.bfloat16)
+        x.requires_grad_()
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        ):
+            layer(x)
+        skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        skip.add(x.untyped_storage().data_ptr())
+        return sum(size for ptr, size in storages.items() if ptr not in skip)
+
+    per_token = (saved(4) - saved(2)) / (2 * 256)
+    assert per_token == gated_deltanet_bytes_around_kernel(cfg) + fla_kernel_bytes(cfg)

@@ -8,7 +8,12 @@ from __future__ import annotations
 from kiln.config.sections import ModelConfig
 from kiln.model.family import ModelFamily
 from kiln.model.forward_args import StageRole
-from kiln.model.qwen3_next.counts import attention_terms, count_params, flops_per_token
+from kiln.model.qwen3_next.counts import (
+    attention_terms,
+    count_params,
+    flops_per_token,
+    linear_mixer_terms,
+)
 from kiln.model.qwen3_next.hf_adapters import ADAPTERS, export_adapter
 
 
@@ -46,4 +51,5 @@ FAMILY = ModelFamily(
     flops_per_token=flops_per_token,
     attention_terms=attention_terms,
     kernels=_kernels,
+    linear_mixer_terms=linear_mixer_terms,
 )

@@ -7,18 +7,14 @@ import math
 
 from kiln.config.sections import ModelConfig
 from kiln.model.counts import causal_attention_flops, moe_bias_params, moe_params
-from kiln.model.family import AttentionTerms, ParamCount
+from kiln.model.family import AttentionTerms, LinearMixerTerms, ParamCount
 
 
 def attention_terms(cfg: ModelConfig) -> AttentionTerms:
     """The full-attention layers' shape: grouped-query attention whose query projection also
     makes the output gate when model.attention_output_gate is set.
 
-    The planner applies one block's attention terms to every block, so it counts the Gated
-    DeltaNet layers as if they were these: their KV cache (they keep a fixed-size state
-    instead), their kept activations (theirs are queries, keys and values of a similar width,
-    the gate and the beta and decay rows) and their weights as an FSDP unit. Its FLOPs come
-    from `flops_per_token`, which counts each layer as what it is.
+    The full-attention layers only: the Gated DeltaNet layers are `linear_mixer_terms`.
     """
     d, hd = cfg.dim, cfg.resolved_head_dim
     query, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
@@ -44,6 +40,51 @@ def linear_attention_params(cfg: ModelConfig) -> tuple[int, int]:
     matmul = d * (2 * keys + 2 * values + 2 * a.num_value_heads) + values * d
     other = (2 * keys + values) * a.conv_kernel + 2 * a.num_value_heads + a.value_head_dim
     return matmul, other
+
+
+# fla-core's chunk length: its kernel keeps, per token and value head, one row of its chunk's
+# solved triangular matrix A (bf16).
+FLA_CHUNK = 64
+
+
+def gated_deltanet_bytes_around_kernel(cfg: ModelConfig) -> int:
+    """What a Gated DeltaNet layer (gated_deltanet.py) keeps for backward per token around its
+    kernel, bf16 compute, at tp=1: the short convolution's input (2·(2·keys + values),
+    short_conv.py); the L2 norms' fp32 queries and keys (4·2·keys) and rstd (4 per key head
+    each); β's fp32 sigmoid, the decay's softplus input and output (4 each per value head); the
+    gated norm's fp32 input (4·values), its rstd (4 per value head), its bf16 normalized and
+    weighted rows (2·values each) and the gate's fp32 SiLU input and output (4·values each);
+    the output projection's input (2·values). Measured with saved-tensor hooks
+    (tests/unit/test_plan_memory_linear.py)."""
+    a = cfg.linear_attention
+    keys, values = a.num_key_heads * a.key_head_dim, a.num_value_heads * a.value_head_dim
+    conv = 2 * (2 * keys + values)
+    l2 = 4 * 2 * keys + 4 * 2 * a.num_key_heads
+    gates = 3 * 4 * a.num_value_heads
+    gated_norm = 4 * values + 4 * a.num_value_heads + 2 * 2 * values + 2 * 4 * values
+    return conv + l2 + gates + gated_norm + 2 * values
+
+
+def fla_kernel_bytes(cfg: ModelConfig) -> int:
+    """What fla-core's chunked gated delta rule keeps per token beyond the tensors the layer
+    keeps anyway (its `save_for_backward`, fla/ops/gated_delta_rule/chunk.py): the queries and
+    keys repeated to the value heads (bf16, key_head_dim per value head each), the values
+    (bf16), the decays' chunk-local cumulative sum (fp32) and a row of A (FLA_CHUNK, bf16) per
+    value head; β is the layer's own sigmoid output."""
+    a = cfg.linear_attention
+    per_value_head = 2 * 2 * a.key_head_dim + 2 * a.value_head_dim + 4 + 2 * FLA_CHUNK
+    return a.num_value_heads * per_value_head
+
+
+def linear_mixer_terms(cfg: ModelConfig) -> LinearMixerTerms | None:
+    """The Gated DeltaNet layers for the planner: their count, weights and kept activations
+    (around the kernel and fla-core's, the kernel kiln runs on CUDA)."""
+    layers = linear_layers(cfg)
+    if layers == 0:
+        return None
+    matmul, other = linear_attention_params(cfg)
+    kept = gated_deltanet_bytes_around_kernel(cfg) + fla_kernel_bytes(cfg)
+    return LinearMixerTerms(layers=layers, params=matmul + other, kept_bytes_per_token=kept)
 
 
 def linear_layers(cfg: ModelConfig) -> int:
