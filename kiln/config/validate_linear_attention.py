@@ -104,10 +104,16 @@ def _layout_problems(cfg: JobConfig) -> list[str]:
             f"valid tp: {', '.join(map(str, valid))}"
         )
     if d.cp > 1:
-        p.append(
-            f"distributed.cp = {d.cp}: family {FAMILY!r} cannot run context parallel. Its "
-            "Gated DeltaNet layers carry a recurrent state along the sequence, which would have "
-            "to pass from each cp rank to the next (the chunks in order, as ring attention "
-            "passes keys), and that is not built; set distributed.cp = 1"
-        )
+        # Each chunk's convolution reads the conv_kernel − 1 inputs before it from the chunk
+        # before (model/qwen3_next/context_parallel.py), never from two chunks back.
+        halo = a.conv_kernel - 1
+        lengths = [cfg.train.seq_len, *(phase.seq_len for phase in cfg.train.seq_len_schedule)]
+        short = [n for n in lengths if n > 0 and n // (2 * d.cp) < halo]
+        if short:
+            p.append(
+                f"distributed.cp = {d.cp} cuts a sequence of {min(short)} tokens into chunks of "
+                f"{min(short) // (2 * d.cp)}, shorter than the {halo} inputs the Gated DeltaNet's "
+                f"convolution reads before each chunk (model.linear_attention.conv_kernel − 1); "
+                f"use sequences of at least {2 * d.cp * halo} tokens or a smaller cp"
+            )
     return p

@@ -47,6 +47,10 @@ class SequenceGathers(Protocol):
     # How many blocks the keys are attended in: 1 (the whole sequences at once) or one per cp
     # rank (ring attention), each with its own mask.
     key_blocks: int
+    # The cp group's size and this rank's place in it: rank r holds chunks r and 2·size−1−r of
+    # 2·size equal chunks of every sequence, in that order.
+    size: int
+    rank: int
 
     def attend(
         self,
@@ -62,3 +66,5 @@ class SequenceGathers(Protocol):
     def gather_sequence(self, values: torch.Tensor) -> torch.Tensor: ...
 
     def query_sequence(self, values: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_summaries(self, x: torch.Tensor) -> torch.Tensor: ...

@@ -151,6 +151,14 @@ class ContextParallel:
         k, v = gathered.movedim(0, 2).split([k.shape[-1], v.shape[-1]], dim=-1)
         return k, v
 
+    def gather_summaries(self, x: torch.Tensor) -> torch.Tensor:
+        """Every cp rank's `x` (one shape on all), stacked in rank order along a new dim 0; the
+        backward sums each rank's gradient back to its owner. For what a layer's chunks hand
+        on to later ones (a linear layer's state maps and convolution inputs), not the
+        sequence itself."""
+        gathered = _all_gather_autograd(x.unsqueeze(0).contiguous(), 0, self.group)
+        return _ContiguousGradient.apply(gathered)
+
     @torch.no_grad()
     def gather_sequence(self, values: torch.Tensor) -> torch.Tensor:
         """Per-token integers (batch, local seq) of the whole sequences, in the order of

@@ -5,7 +5,8 @@ norm and the MoE records within the parity tolerance (fp32: only the reduction o
 
 The fewest jobs that cover each parallelism once: HSDP with full activation checkpointing; tp=2
 × ep=2 (the linear layers' heads split over tp, the experts over ep); Qwen3.5's dense blocks at
-tp=2 in compiled blocks; pp=2 with selective activation checkpointing. Four blocks alternating
+tp=2 in compiled blocks; cp=2 × pp=2 with selective activation checkpointing (the linear
+layers' convolution inputs and states handed from chunk to chunk). Four blocks alternating
 linear and full attention give each pipeline stage one of each, the stage boundary between a
 full and a linear layer, and selective AC (even layers) a checkpointed linear layer and a full
 one not. Document masking is on everywhere, so the linear layers' state and convolution restart
@@ -75,9 +76,13 @@ LAYOUTS = {
             *DENSE,
         ],
     ),
-    "pp=2 1f1b, selective AC": (
-        2,
+    # Context parallel hands each linear layer's convolution inputs and state from chunk to
+    # chunk (4 chunks of 16 tokens, head-tail: rank 0 holds chunks 0 and 3), through both
+    # pipeline stages, a checkpointed linear layer recomputing its exchanges.
+    "cp=2 x pp=2 1f1b, selective AC": (
+        4,
         [
+            "--distributed.cp=2",
             "--distributed.pp=2",
             *schedule("1f1b"),
             "--distributed.pp_microbatches=2",

@@ -196,7 +196,10 @@ def test_generation_states_give_the_full_forwards_logits():
         (["--model.linear_attention.conv_kernel=0"], "linear_attention.conv_kernel must be"),
         (["--model.partial_rotary_factor=0"], "partial_rotary_factor must be in (0, 1]"),
         (["--model.partial_rotary_factor=0.3"], "turns 19 dims; RoPE turns pairs"),
-        (["--distributed.cp=2"], "family 'qwen3_next' cannot run context parallel"),
+        (
+            ["--distributed.cp=4", "--train.seq_len=16"],
+            "cuts a sequence of 16 tokens into chunks of 2, shorter than the 3 inputs",
+        ),
         (
             ["--distributed.tp=4", "--model.n_heads=8", "--model.n_kv_heads=4"],
             "must divide model.linear_attention.num_key_heads (2)",
@@ -204,9 +207,7 @@ def test_generation_states_give_the_full_forwards_logits():
     ],
 )
 def test_bad_keys_are_named(overrides, named):
-    world = (
-        4 if "--distributed.tp=4" in overrides else 2 if "--distributed.cp=2" in overrides else 1
-    )
+    world = 4 if {"--distributed.tp=4", "--distributed.cp=4"} & set(overrides) else 1
     with pytest.raises(ConfigError) as error:
         load_config(RECIPE, overrides, world_size=world)
     assert named in str(error.value) and "(1 problem)" in str(error.value)

@@ -11,6 +11,7 @@ from torch import nn
 
 from kiln.config.sections import ModelConfig
 from kiln.model.document_mask import LayerMask, masked_attention
+from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import prefix_causal_mask
 from kiln.model.qwen3_next.norms import rms_norm
 from kiln.model.rope import apply_rope
@@ -48,12 +49,14 @@ class GatedAttention(nn.Module):
         layer: int = 0,
         *,
         mask: LayerMask | None = None,
+        context_parallel: SequenceGathers | None = None,
     ) -> torch.Tensor:
-        """x (batch, seq, dim); cos, sin the whole rotary tables (max_seq_len, rotary_dim);
-        `cache`: a `GenerationCache` (state.py); `mask`: the document mask of the forward."""
+        """x (batch, seq, dim); cos, sin the rotary tables of x's tokens ((seq, rotary_dim), or
+        (batch, 1, seq, rotary_dim) at context parallel's positions); `cache`: a
+        `GenerationCache` (state.py); `mask`: the document mask of the forward;
+        `context_parallel`: attention over the whole sequences from this rank's chunks."""
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
-        cos, sin = cos[start : start + seq], sin[start : start + seq]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim * (2 if self.gated else 1))
         gate = None
@@ -67,7 +70,10 @@ class GatedAttention(nn.Module):
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        if mask is not None:
+        if context_parallel is not None:
+            assert mask is not None, "context parallel's mask is built from the positions"
+            out = context_parallel.attend(q, k, v, mask)
+        elif mask is not None:
             out = masked_attention(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(

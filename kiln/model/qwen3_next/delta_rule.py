@@ -311,6 +311,14 @@ def _fla_chunk(
     return out, (final[row_last] if final is not None else None)
 
 
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) bool: True at position 0 and where a token's document differs from the
+    previous token's: where the Gated DeltaNet layers start afresh."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
+
+
 def causal_depthwise_conv(
     x: torch.Tensor, weight: torch.Tensor, *, document_starts: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -15,6 +15,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.config.sections import ModelConfig
+from kiln.model.qwen3_next.context_parallel import (
+    ChunkLinks,
+    conv_silu_across_chunks,
+    delta_rule_across_chunks,
+)
 from kiln.model.qwen3_next.delta_rule import causal_depthwise_conv, gated_delta_rule
 from kiln.model.qwen3_next.norms import GatedRMSNorm
 from kiln.model.qwen3_next.short_conv import conv_silu
@@ -63,15 +68,27 @@ class GatedDeltaNet(nn.Module):
         cache=None,
         layer: int = 0,
         document_starts: torch.Tensor | None = None,
+        links: ChunkLinks | None = None,
     ) -> torch.Tensor:
         """x (batch, seq, dim) -> (batch, seq, dim). `document_starts` (batch, seq): True at
         each packed document's first token, where the convolution and the state start afresh;
         `cache`: a `GenerationCache` (state.py) whose convolution inputs and state this layer
-        continues from and updates."""
+        continues from and updates; `links`: context parallel's, x this rank's two chunks of
+        each sequence (context_parallel.py)."""
         batch, seq, _ = x.shape
-        q = self._conv(self.wq(x), self.conv_q, cache, (layer, "q"), document_starts)
-        k = self._conv(self.wk(x), self.conv_k, cache, (layer, "k"), document_starts)
-        v = self._conv(self.wv(x), self.conv_v, cache, (layer, "v"), document_starts)
+        projected = (self.wq(x), self.wk(x), self.wv(x))
+        if links is not None:
+            q, k, v = (
+                conv_silu_across_chunks(p, local(w), links)
+                for p, w in zip(projected, (self.conv_q, self.conv_k, self.conv_v), strict=True)
+            )
+        else:
+            q, k, v = (
+                self._conv(p, w, cache, (layer, name), document_starts)
+                for p, w, name in zip(
+                    projected, (self.conv_q, self.conv_k, self.conv_v), "qkv", strict=True
+                )
+            )
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = l2_normalize(q.view(batch, seq, -1, self.key_dim))
         k = l2_normalize(k.view(batch, seq, -1, self.key_dim))
@@ -83,22 +100,27 @@ class GatedDeltaNet(nn.Module):
         decay = -local(self.A_log).float().exp() * F.softplus(
             self.wa(x).float() + local(self.dt_bias).float()
         )
-        state = cache.recurrent.get(layer) if cache is not None else None
-        out, state = gated_delta_rule(
-            q,
-            k,
-            v,
-            decay,
-            beta,
-            scale=self.key_dim**-0.5,
-            initial_state=state,
-            output_final_state=cache is not None,
-            document_starts=document_starts,
-            chunk_size=self.chunk_size,
-            kernel=self.kernel,
-        )
-        if cache is not None:
-            cache.recurrent[layer] = state
+        options = {"scale": self.key_dim**-0.5, "chunk_size": self.chunk_size}
+        if links is not None:
+            out = delta_rule_across_chunks(
+                q, k, v, decay, beta, links=links, kernel=self.kernel, **options
+            )
+        else:
+            state = cache.recurrent.get(layer) if cache is not None else None
+            out, state = gated_delta_rule(
+                q,
+                k,
+                v,
+                decay,
+                beta,
+                initial_state=state,
+                output_final_state=cache is not None,
+                document_starts=document_starts,
+                kernel=self.kernel,
+                **options,
+            )
+            if cache is not None:
+                cache.recurrent[layer] = state
         gate = self.wz(x).view(batch, seq, -1, self.value_dim)
         out = self.norm(out, gate=gate)
         return self.wo(out.reshape(batch, seq, -1))

@@ -18,6 +18,8 @@ from kiln.model.moe.block import MoEFeedForward
 from kiln.model.names import canonical_name
 from kiln.model.output_head import output_logits, output_weight
 from kiln.model.qwen3_next.attention import GatedAttention
+from kiln.model.qwen3_next.context_parallel import ChunkLinks, chunk_links
+from kiln.model.qwen3_next.delta_rule import document_starts
 from kiln.model.qwen3_next.gated_deltanet import GatedDeltaNet
 from kiln.model.qwen3_next.norms import rms_norm
 from kiln.model.qwen3_next.state import GenerationCache
@@ -26,14 +28,6 @@ from kiln.model.rope import model_rope_tables
 # A_log = log(A), A drawn uniform in this range (Mamba-2's; the decay per step is
 # exp(−A·softplus(a + dt_bias))).
 A_INIT_RANGE = (1.0, 16.0)
-
-
-def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) bool: True at position 0 and where a token's document differs from the
-    previous token's: where the Gated DeltaNet layers start afresh."""
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return starts
 
 
 class Block(nn.Module):
@@ -66,15 +60,21 @@ class Block(nn.Module):
         *,
         mask: LayerMask | None = None,
         starts: torch.Tensor | None = None,
+        links: ChunkLinks | None = None,
+        context_parallel: SequenceGathers | None = None,
         moe_scale: AuxLossScale | None = None,
     ) -> torch.Tensor:
         # Everything but the input by keyword where tensor parallel lays out the inputs: its
         # PrepareModuleInput passes keywords through untouched.
         h = self.attention_norm(x)
         if self.linear:
-            h = self.linear_attention(h, cache=cache, layer=layer, document_starts=starts)
+            h = self.linear_attention(
+                h, cache=cache, layer=layer, document_starts=starts, links=links
+            )
         else:
-            h = self.attention(h, cos, sin, cache, layer, mask=mask)
+            h = self.attention(
+                h, cos, sin, cache, layer, mask=mask, context_parallel=context_parallel
+            )
         x = x + h
         h = self.ffn_norm(x)
         if isinstance(self.feed_forward, MoEFeedForward):
@@ -117,34 +117,48 @@ class Transformer(nn.Module):
         """tokens (batch, seq) -> logits (batch, seq, vocab); the arguments as the Llama
         family's (kiln/model/llama/model.py). With `document_ids` the full-attention layers
         attend within each document and the Gated DeltaNet layers start afresh at each
-        document's first token. `positions` and `context_parallel` are context parallel's,
-        which validation refuses for this family (the recurrent state would have to pass from
-        rank to rank)."""
-        if positions is not None or context_parallel is not None:
+        document's first token. Under context parallel (`positions`, `context_parallel`) the
+        full-attention layers attend over the whole sequences as the Llama family's do, and the
+        Gated DeltaNet layers hand their chunks' convolution inputs and states on
+        (context_parallel.py)."""
+        if cache is not None and (document_ids is not None or positions is not None):
             raise ValueError(
-                "family qwen3_next runs no context parallel (validation refuses cp > 1): "
-                "its Gated DeltaNet layers need the sequence in order on one rank"
-            )
-        if cache is not None and document_ids is not None:
-            raise ValueError(
-                "a generation cache runs whole sequences in order: document_ids cannot be "
-                "combined with it"
+                "a generation cache runs whole sequences in order in one process: "
+                "document_ids and positions (context parallel) cannot be combined with it"
             )
         blocks = list(self.layers.values())
         masks = None
         if any(not block.linear for block in blocks):
-            masks = layer_masks(document_ids, None, None)
+            masks = layer_masks(document_ids, positions, context_parallel)
         starts = document_starts(document_ids) if document_ids is not None else None
+        links = None
+        if positions is not None:
+            assert context_parallel is not None, "positions without context parallel's gathers"
+            links = chunk_links(
+                context_parallel,
+                positions,
+                document_ids,
+                conv_kernel=self.cfg.linear_attention.conv_kernel,
+            )
+            starts = links.starts
+        start = cache.pos if cache is not None else 0
+        cos = self.rope_cos[start : start + x.shape[1]]
+        sin = self.rope_sin[start : start + x.shape[1]]
+        if positions is not None:
+            # (batch, 1, seq, rotary_dim): broadcast over the heads.
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         h = self.tok_embeddings(x) if self.stage.first else x
         for name, block in self.layers.items():
             h = block(
                 h,
-                self.rope_cos,
-                self.rope_sin,
+                cos,
+                sin,
                 cache,
                 int(name),
                 mask=masks[0] if masks is not None else None,
                 starts=starts,
+                links=links,
+                context_parallel=context_parallel,
                 moe_scale=moe_scale,
             )
         if cache is not None:
