@@ -214,7 +214,7 @@ def render() -> str:
         "parameter, divided over every dim that shards it. Activations are what the blocks keep",
         "for backward (under full AC only each block's input, plus the block being recomputed),",
         "each block counted by its own token mixer: attention, or a hybrid's linear-attention layer",
-        "(the qwen3_next family's Gated DeltaNet keeps about four times a full layer's,",
+        "(the qwen3_next family's Gated DeltaNet keeps about three times a full layer's,",
         "docs/models.md).",
         "The logits at the loss: 12 bytes per token and vocabulary entry (fp32 with their",
         "gradients), 4 when `train.compile` fuses the loss (bf16 logits and their gradient, tp=1),",

@@ -52,16 +52,15 @@ def gated_deltanet_bytes_around_kernel(cfg: ModelConfig) -> int:
     kernel, bf16 compute, at tp=1: the short convolution's input (2·(2·keys + values),
     short_conv.py); the L2 norms' fp32 queries and keys (4·2·keys) and rstd (4 per key head
     each); β's fp32 sigmoid, the decay's softplus input and output (4 each per value head); the
-    gated norm's fp32 input (4·values), its rstd (4 per value head), its bf16 normalized and
-    weighted rows (2·values each) and the gate's fp32 SiLU input and output (4·values each);
-    the output projection's input (2·values). Measured with saved-tensor hooks
-    (tests/unit/test_plan_memory_linear.py)."""
+    gated norm's two bf16 inputs, the kernel's output and the gate (2·values each: the norm is
+    recomputed in backward); the output projection's input (2·values). Measured with
+    saved-tensor hooks (tests/unit/test_plan_memory_linear.py)."""
     a = cfg.linear_attention
     keys, values = a.num_key_heads * a.key_head_dim, a.num_value_heads * a.value_head_dim
     conv = 2 * (2 * keys + values)
     l2 = 4 * 2 * keys + 4 * 2 * a.num_key_heads
     gates = 3 * 4 * a.num_value_heads
-    gated_norm = 4 * values + 4 * a.num_value_heads + 2 * 2 * values + 2 * 4 * values
+    gated_norm = 2 * 2 * values
     return conv + l2 + gates + gated_norm + 2 * values
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from kiln.config.sections import ModelConfig
 from kiln.model.qwen3_next.context_parallel import (
@@ -122,8 +123,18 @@ class GatedDeltaNet(nn.Module):
             if cache is not None:
                 cache.recurrent[layer] = state
         gate = self.wz(x).view(batch, seq, -1, self.value_dim)
-        out = self.norm(out, gate=gate)
+        if torch.is_grad_enabled():
+            # Recomputed in backward from its two bf16 inputs: written out in fp32, the gated
+            # norm would keep 16 bytes per value channel and token, a third of the layer's.
+            out = checkpoint(self._gated_norm, out, gate, use_reentrant=False)
+        else:
+            out = self.norm(out, gate=gate)
         return self.wo(out.reshape(batch, seq, -1))
+
+    def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated norm, its inputs positional: what the checkpoint saves, and tensor
+        parallel's input style lays out the first."""
+        return self.norm(out, gate=gate)
 
     @staticmethod
     def _conv(
