@@ -105,6 +105,7 @@ def test_layer_on_fla_keeps_what_the_planner_counts(device: torch.device) -> Non
     from kiln.config.load import config_from_dict
     from kiln.model.qwen3_next.counts import fla_kernel_bytes, gated_deltanet_bytes_around_kernel
     from kiln.model.qwen3_next.gated_deltanet import GatedDeltaNet
+    from tests.support.saved_tensors import saved_bytes
 
     model = {"preset": "qwen3_next_debug", "linear_attention": {"kernel": "fla"}}
     cfg = config_from_dict({"model": model}).model
@@ -113,22 +114,10 @@ def test_layer_on_fla_keeps_what_the_planner_counts(device: torch.device) -> Non
         torch.nn.init.normal_(param, std=0.05)
 
     def saved(batch: int) -> int:
-        storages: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
         x = torch.randn(batch, 256, cfg.dim, device=device, dtype=torch.bfloat16)
         x.requires_grad_()
-        with (
-            torch.autocast("cuda", dtype=torch.bfloat16),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
-        ):
-            layer(x)
-        skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        skip.add(x.untyped_storage().data_ptr())
-        return sum(size for ptr, size in storages.items() if ptr not in skip)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return saved_bytes(lambda: layer(x), skip=[*layer.parameters(), x])
 
     per_token = (saved(4) - saved(2)) / (2 * 256)
     assert per_token == gated_deltanet_bytes_around_kernel(cfg) + fla_kernel_bytes(cfg)

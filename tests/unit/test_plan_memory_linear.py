@@ -25,6 +25,7 @@ from kiln.plan.activations import (
     linear_mixer_bytes_per_token,
 )
 from kiln.plan.memory import largest_unit_params
+from tests.support.saved_tensors import saved_bytes
 
 ONE = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
 
@@ -39,7 +40,6 @@ def hybrid(**model) -> JobConfig:
 def saved_around_kernel(layer: torch.nn.Module, batch: int, seq: int, dim: int, monkeypatch) -> int:
     """Bytes of the distinct tensors a bf16 Gated DeltaNet's forward saves outside its kernel
     (whose saves are the kernel's own: fla's on CUDA), its weights and input excluded."""
-    storages: dict[int, int] = {}
     in_kernel = [False]
     kernel = gated_deltanet.gated_delta_rule
 
@@ -50,21 +50,12 @@ def saved_around_kernel(layer: torch.nn.Module, batch: int, seq: int, dim: int, 
         finally:
             in_kernel[0] = False
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not in_kernel[0]:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
     monkeypatch.setattr(gated_deltanet, "gated_delta_rule", marked_kernel)
     x = torch.randn(batch, seq, dim, dtype=torch.bfloat16, requires_grad=True)
-    with (
-        torch.autocast("cpu", dtype=torch.bfloat16),
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
-    ):
-        layer(x)
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    skip.add(x.untyped_storage().data_ptr())
-    return sum(size for ptr, size in storages.items() if ptr not in skip)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return saved_bytes(
+            lambda: layer(x), skip=[*layer.parameters(), x], counting=lambda: not in_kernel[0]
+        )
 
 
 @pytest.mark.parametrize(
