@@ -121,3 +121,29 @@ def test_layer_on_fla_keeps_what_the_planner_counts(device: torch.device) -> Non
 
     per_token = (saved(4) - saved(2)) / (2 * 256)
     assert per_token == gated_deltanet_bytes_around_kernel(cfg) + fla_kernel_bytes(cfg)
+
+
+@pytest.mark.cuda_only("fla-core runs on CUDA only")
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_fla_convolution_matches_torch(with_documents: bool, device: torch.device) -> None:
+    # fla-core's causal convolution with SiLU (the causal-conv1d package's kernel when it is
+    # installed, fla's Triton one otherwise) against kiln's torch function, output and
+    # gradients, on the same bf16 inputs.
+    pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core)")
+    from kiln.model.qwen3_next.short_conv import conv_silu
+
+    gen = torch.Generator().manual_seed(1)
+    channels = 2 * HEADS * KEY_DIM + HEADS * VALUE_DIM
+    x = torch.randn(BATCH, SEQ, channels, generator=gen).to(device, torch.bfloat16)
+    weight = (torch.randn(channels, 4, generator=gen) * 0.5).to(device, torch.bfloat16)
+    starts = (torch.rand(BATCH, SEQ, generator=gen) < 0.02).to(device)
+    upstream = torch.randn(BATCH, SEQ, channels, generator=gen).to(device)
+    results = []
+    for kernel in ("fla", "torch"):
+        leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+        out = conv_silu(*leaves, document_starts=starts if with_documents else None, kernel=kernel)
+        results.append([out, *torch.autograd.grad((out.float() * upstream).sum(), leaves)])
+    # Both round their bf16 results once (2^-8 relative each); the weight's gradient sums
+    # over 600 tokens in another order.
+    for name, fla, torch_conv in zip(["out", "dx", "dweight"], *results, strict=True):
+        assert normwise(fla, torch_conv) <= 2**-7, name

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from kiln.errors import ConfigError
-from kiln.model.qwen3_next import delta_rule
+from kiln.model.qwen3_next import delta_rule, short_conv
 from kiln.model.qwen3_next.delta_rule import (
     causal_depthwise_conv,
     chunk_gated_delta_rule,
@@ -234,3 +234,28 @@ def test_conv_silu_keeps_its_input_only_and_differentiates_as_written_out(seq, w
         torch.testing.assert_close(a, b, atol=1e-13, rtol=0)
     # The input alone, against a copy per tap with documents (and the pre-activation).
     assert saved[0] == x.numel() < saved[1]
+
+
+def test_fla_convolution_gets_documents_as_variable_length_sequences(monkeypatch):
+    """How kiln hands packed documents to fla-core's causal convolution (rows end to end, one
+    sequence per document and per row start, weights in the input's dtype): a CPU stand-in with
+    fla's contract for cu_seqlens (batch 1, the convolution restarting at each sequence) runs
+    the torch convolution per sequence. tests/gpu/test_delta_rule_fla.py runs fla itself."""
+
+    def fla_conv(x, weight, *, activation, backend, cu_seqlens=None):
+        assert activation == "silu" and backend in ("cuda", "triton")
+        assert x.shape[0] == 1 and weight.dtype == x.dtype
+        parts = [
+            F.silu(causal_depthwise_conv(x[:, begin:end], weight))
+            for begin, end in itertools.pairwise(cu_seqlens.tolist())
+        ]
+        return torch.cat(parts, dim=1), None
+
+    monkeypatch.setattr(short_conv, "_fla_conv_import", lambda: fla_conv)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(BATCH, SEQ, 6, generator=gen, dtype=torch.float64)
+    weight = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    ours = short_conv._fla_conv_silu(x, weight, document_starts())
+    expected = conv_silu(x, weight, document_starts=document_starts())
+    # fp64 sums of the same 4 taps' products in another order: a few ulps.
+    torch.testing.assert_close(ours, expected, atol=1e-13, rtol=0)

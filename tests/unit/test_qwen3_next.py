@@ -50,7 +50,10 @@ def test_kiln_train_runs_the_recipe_and_kiln_generate_continues(demo_data, tmp_p
     assert len(losses) == 3 and all(map(math.isfinite, losses))
     # The start-up summary names the kernel the linear layers run (the CPU's: torch's chunked).
     started = capsys.readouterr().out
-    assert "3 Gated DeltaNet layers (gated delta rule: torch kernel), 1 full attention" in started
+    assert (
+        "3 Gated DeltaNet layers (gated delta rule: torch kernel, short convolution: torch), "
+        "1 full attention"
+    ) in started
     checkpoint = run / "checkpoints" / "step_00000003"
     prompt = ["generate", str(checkpoint), "--prompt", "def main(", "--max-new-tokens", "4"]
     assert main([*prompt, "--device", "cpu"]) == 0

@@ -26,12 +26,14 @@ def _build(cfg: ModelConfig, stage: StageRole | None = None):
 
 def _kernels(cfg: ModelConfig, device) -> str:
     from kiln.model.qwen3_next.delta_rule import kernel_name
+    from kiln.model.qwen3_next.short_conv import conv_backend_name
 
     linear = sum(map(cfg.is_linear_attention_layer, range(cfg.n_layers)))
     kernel = kernel_name(cfg.linear_attention.kernel, device)
+    conv = conv_backend_name() if kernel == "fla" else "torch"
     return (
-        f"{linear} Gated DeltaNet layers (gated delta rule: {kernel} kernel), "
-        f"{cfg.n_layers - linear} full attention"
+        f"{linear} Gated DeltaNet layers (gated delta rule: {kernel} kernel, short "
+        f"convolution: {conv}), {cfg.n_layers - linear} full attention"
     )
 
 

@@ -81,7 +81,9 @@ def chunk_links(
     return ChunkLinks(gathers, whole_starts.gather(1, positions), halo_starts)
 
 
-def conv_silu_across_chunks(x: torch.Tensor, weight: torch.Tensor, links: ChunkLinks):
+def conv_silu_across_chunks(
+    x: torch.Tensor, weight: torch.Tensor, links: ChunkLinks, *, kernel: Kernel
+) -> torch.Tensor:
     """`conv_silu` of this rank's two chunks (x: batch × local seq × channels), each preceded
     by the last taps − 1 inputs of the chunk before it (zeros before the sequence)."""
     halo, local = weight.shape[-1] - 1, x.shape[1] // 2
@@ -92,7 +94,7 @@ def conv_silu_across_chunks(x: torch.Tensor, weight: torch.Tensor, links: ChunkL
         before = tails[chunk_id - 1] if chunk_id > 0 else torch.zeros_like(tails[0])
         joined = torch.cat([before, chunks[i]], dim=1)
         starts = torch.cat([links.halo_starts[:, i], links.starts.split(local, 1)[i]], dim=1)
-        outs.append(conv_silu(joined, weight, document_starts=starts)[:, halo:])
+        outs.append(conv_silu(joined, weight, document_starts=starts, kernel=kernel)[:, halo:])
     return torch.cat(outs, dim=1)
 
 

@@ -289,17 +289,10 @@ def _fla_chunk(
     options = {"scale": scale, "output_final_state": output_final_state}
     if document_starts is None:
         return fla_chunk(q, k, v, g, beta, initial_state=initial_state, **options)
-    # fla takes documents only as cu_seqlens over a batch of one: the rows are laid end to end
-    # and each row's first token starts a sequence too. The row's state enters its first
-    # sequence (unless a document starts there) and leaves from its last.
+    # The row's state enters its first sequence (unless a document starts there) and leaves
+    # from its last.
     batch, seq = document_starts.shape
-    begins = document_starts.clone()
-    begins[:, 0] = True
-    flat = begins.reshape(-1)
-    cu_seqlens = F.pad(flat.nonzero().squeeze(1), (0, 1), value=batch * seq)
-    sequence_index = flat.long().cumsum(0) - 1
-    row_first = sequence_index[::seq]
-    row_last = torch.cat([row_first[1:], row_first.new_tensor([len(cu_seqlens) - 1])]) - 1
+    cu_seqlens, row_first, row_last = fla_sequences(document_starts)
     states = None
     if initial_state is not None:
         kept = initial_state * (~document_starts[:, 0]).to(initial_state.dtype)[:, None, None, None]
@@ -309,6 +302,23 @@ def _fla_chunk(
     out, final = fla_chunk(*flat_args, initial_state=states, cu_seqlens=cu_seqlens, **options)
     out = out.reshape(batch, seq, *out.shape[2:])
     return out, (final[row_last] if final is not None else None)
+
+
+def fla_sequences(
+    document_starts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla-core takes documents only as variable-length sequences over a batch of one: the rows
+    laid end to end, each row's first token starting a sequence too. Returns cu_seqlens and,
+    per row, the index of its first and of its last sequence."""
+    batch, seq = document_starts.shape
+    begins = document_starts.clone()
+    begins[:, 0] = True
+    flat = begins.reshape(-1)
+    cu_seqlens = F.pad(flat.nonzero().squeeze(1), (0, 1), value=batch * seq)
+    sequence_index = flat.long().cumsum(0) - 1
+    row_first = sequence_index[::seq]
+    row_last = torch.cat([row_first[1:], row_first.new_tensor([len(cu_seqlens) - 1])]) - 1
+    return cu_seqlens, row_first, row_last
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:

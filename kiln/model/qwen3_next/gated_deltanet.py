@@ -21,7 +21,7 @@ from kiln.model.qwen3_next.context_parallel import (
     conv_silu_across_chunks,
     delta_rule_across_chunks,
 )
-from kiln.model.qwen3_next.delta_rule import causal_depthwise_conv, gated_delta_rule
+from kiln.model.qwen3_next.delta_rule import Kernel, causal_depthwise_conv, gated_delta_rule
 from kiln.model.qwen3_next.norms import GatedRMSNorm
 from kiln.model.qwen3_next.short_conv import conv_silu
 
@@ -80,12 +80,12 @@ class GatedDeltaNet(nn.Module):
         projected = (self.wq(x), self.wk(x), self.wv(x))
         if links is not None:
             q, k, v = (
-                conv_silu_across_chunks(p, local(w), links)
+                conv_silu_across_chunks(p, local(w), links, kernel=self.kernel)
                 for p, w in zip(projected, (self.conv_q, self.conv_k, self.conv_v), strict=True)
             )
         else:
             q, k, v = (
-                self._conv(p, w, cache, (layer, name), document_starts)
+                self._conv(p, w, cache, (layer, name), document_starts, self.kernel)
                 for p, w, name in zip(
                     projected, (self.conv_q, self.conv_k, self.conv_v), "qkv", strict=True
                 )
@@ -143,12 +143,13 @@ class GatedDeltaNet(nn.Module):
         cache,
         key: tuple[int, str],
         document_starts: torch.Tensor | None,
+        kernel: Kernel,
     ) -> torch.Tensor:
         """silu(causal depthwise convolution of x), continuing from the cached last inputs in
         generation (zeros before the first token, as the convolution's padding)."""
         weight = local(weight)
         if cache is None:
-            return conv_silu(x, weight, document_starts=document_starts)
+            return conv_silu(x, weight, document_starts=document_starts, kernel=kernel)
         before = cache.conv.get(key)
         joined = torch.cat([before.to(x.dtype), x], dim=1) if before is not None else x
         cache.conv[key] = joined[:, max(joined.shape[1] - (weight.shape[-1] - 1), 0) :]

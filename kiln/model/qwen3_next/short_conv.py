@@ -2,25 +2,81 @@
 
 Written out, the convolution over packed documents keeps one masked copy of its input per tap
 and the SiLU its pre-activation: five copies of the layer's widest rows (queries, keys and
-values, 2·(key width) + value width per token) at 4 taps. `conv_silu` keeps the input alone
-and recomputes the few multiply-adds per channel in backward, as fla-core's and causal-conv1d's
-fused kernels do; its forward is `silu(causal_depthwise_conv(...))`, bit for bit.
+values, 2·(key width) + value width per token) at 4 taps. The torch function keeps the input
+alone and recomputes the few multiply-adds per channel in backward, as fused kernels do; its
+forward is `silu(causal_depthwise_conv(...))`, bit for bit.
+
+On CUDA with fla-core installed (the kernel choice of delta_rule.py, "auto" or "fla") the
+convolution is fla-core's `causal_conv1d`, which runs the causal-conv1d package's CUDA kernel
+when that is installed (`backend="cuda"`) and fla's Triton kernel otherwise; documents go to it
+as variable-length sequences, as to fla's delta rule. tests/gpu/test_delta_rule_fla.py holds
+it to the torch function.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from kiln.model.qwen3_next.delta_rule import causal_depthwise_conv
+from kiln.model.qwen3_next.delta_rule import (
+    Kernel,
+    causal_depthwise_conv,
+    fla_sequences,
+    kernel_name,
+)
 
 
 def conv_silu(
-    x: torch.Tensor, weight: torch.Tensor, *, document_starts: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    document_starts: torch.Tensor | None = None,
+    kernel: Kernel = "torch",
 ) -> torch.Tensor:
     """silu(causal_depthwise_conv(x, weight, document_starts=...)): x (batch, seq, channels),
-    weight (channels, taps), document_starts (batch, seq) True at each document's first token."""
+    weight (channels, taps), document_starts (batch, seq) True at each document's first token;
+    on the kernel `kernel_name(kernel, x.device)` names."""
+    if kernel_name(kernel, x.device) == "fla":
+        return _fla_conv_silu(x, weight, document_starts)
     return _ConvSilu.apply(x, weight, document_starts)
+
+
+def conv_backend_name() -> str:
+    """What runs fla-core's convolution: the causal-conv1d package's kernel when installed."""
+    return "causal-conv1d" if importlib.util.find_spec("causal_conv1d") else "fla (Triton)"
+
+
+@functools.cache
+def _fla_conv_import() -> Callable | None:
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
+# Eager inside a compiled block, as fla's delta rule (delta_rule.py's _fla_chunk).
+@torch.compiler.disable
+def _fla_conv_silu(
+    x: torch.Tensor, weight: torch.Tensor, document_starts: torch.Tensor | None
+) -> torch.Tensor:
+    """fla-core's causal convolution with SiLU; documents as its variable-length sequences."""
+    causal_conv1d = _fla_conv_import()
+    assert causal_conv1d is not None, "kernel_name resolved to fla without fla-core"
+    backend = "cuda" if conv_backend_name() == "causal-conv1d" else "triton"
+    # One dtype for both, as the torch path's autocast conv1d computes.
+    weight = weight.to(x.dtype)
+    if document_starts is None:
+        return causal_conv1d(x, weight, activation="silu", backend=backend)[0]
+    batch, seq, channels = x.shape
+    cu_seqlens, _, _ = fla_sequences(document_starts)
+    flat = x.reshape(1, batch * seq, channels)
+    out, _ = causal_conv1d(flat, weight, activation="silu", backend=backend, cu_seqlens=cu_seqlens)
+    return out.reshape(batch, seq, channels)
 
 
 def _same_document(document: torch.Tensor | None, shift: int) -> torch.Tensor | None:
