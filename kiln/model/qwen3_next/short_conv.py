@@ -16,7 +16,6 @@ it to the torch function.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -45,9 +44,15 @@ def conv_silu(
     return _ConvSilu.apply(x, weight, document_starts)
 
 
+@functools.cache
 def conv_backend_name() -> str:
-    """What runs fla-core's convolution: the causal-conv1d package's kernel when installed."""
-    return "causal-conv1d" if importlib.util.find_spec("causal_conv1d") else "fla (Triton)"
+    """What runs fla-core's convolution: the causal-conv1d package's kernel when it imports
+    (fla's "cuda" backend calls it), fla's Triton kernel otherwise."""
+    try:
+        import causal_conv1d  # noqa: F401
+    except ImportError:
+        return "fla (Triton)"
+    return "causal-conv1d"
 
 
 @functools.cache
