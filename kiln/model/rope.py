@@ -130,6 +130,28 @@ def rope_tables(
     return angles.cos(), angles.sin()
 
 
+def rope_at(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables a forward hands its blocks: whole (max_seq_len, width), each attention
+    taking its tokens' rows (`token_rows`); or at context parallel's `positions` (batch, seq),
+    indexed already as (batch, 1, seq, width) to broadcast over the heads."""
+    if positions is None:
+        return cos, sin
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def token_rows(
+    cos: torch.Tensor, sin: torch.Tensor, *, start: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of `rope_at`'s tables for `seq` tokens from position `start` (a generation
+    cache's); tables at given positions pass through. Sliced in attention: under sequence
+    parallel only attention sees whole sequences."""
+    if cos.ndim == 2:
+        return cos[start : start + seq], sin[start : start + seq]
+    return cos, sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x of shape (batch, heads, seq, head_dim) by the tables already sliced to its positions."""
     half = x.shape[-1] // 2

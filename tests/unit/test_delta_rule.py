@@ -230,7 +230,7 @@ def test_conv_silu_keeps_its_input_only_and_differentiates_as_written_out(seq, w
     fused, written_out = results
     assert torch.equal(fused[0], written_out[0])
     for a, b in zip(fused[1:], written_out[1:], strict=True):
-        # fp64 sums of the same 4 taps' products in another order: a few ulps.
+        # fp64 sums of the same 4 taps' products in another order: a few ulps, IEEE on any CPU.
         torch.testing.assert_close(a, b, atol=1e-13, rtol=0)
     # The input alone, against a copy per tap with documents (and the pre-activation).
     assert saved[0] == x.numel() < saved[1]
@@ -257,5 +257,5 @@ def test_fla_convolution_gets_documents_as_variable_length_sequences(monkeypatch
     weight = torch.randn(6, 4, generator=gen, dtype=torch.float64)
     ours = short_conv._fla_conv_silu(x, weight, document_starts())
     expected = conv_silu(x, weight, document_starts=document_starts())
-    # fp64 sums of the same 4 taps' products in another order: a few ulps.
+    # fp64 sums of the same 4 taps' products in another order: a few ulps, IEEE on any CPU.
     torch.testing.assert_close(ours, expected, atol=1e-13, rtol=0)

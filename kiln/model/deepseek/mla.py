@@ -13,7 +13,7 @@ from kiln.config.sections import ModelConfig
 from kiln.model.document_mask import LayerMask, masked_attention
 from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache, prefix_causal_mask
-from kiln.model.rope import apply_rope, yarn_mscale
+from kiln.model.rope import apply_rope, token_rows, yarn_mscale
 
 # DeepSeek's code (its own and transformers') builds the query and key-value latent norms without
 # an eps argument: 1e-6, whatever rms_norm_eps (model.norm_eps, the blocks' norms) says.
@@ -65,8 +65,7 @@ class MultiHeadLatentAttention(nn.Module):
         """x (batch, seq, dim) -> (batch, seq, dim); the arguments as the Llama family's."""
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
-        if cos.ndim == 2:
-            cos, sin = cos[start : start + seq], sin[start : start + seq]
+        cos, sin = token_rows(cos, sin, start=start, seq=seq)
         query = self.wq_b(self.q_norm(self.wq_a(x))) if self.low_rank_query else self.wq(x)
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         query = query.view(batch, seq, -1, self.nope + self.rope)

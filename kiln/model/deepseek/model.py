@@ -17,7 +17,7 @@ from kiln.model.init import init_decoder_weights
 from kiln.model.kv_cache import KVCache
 from kiln.model.moe.balancing import AuxLossScale, attach_aux_loss
 from kiln.model.moe.block import MoEFeedForward
-from kiln.model.rope import model_rope_tables
+from kiln.model.rope import model_rope_tables, rope_at
 
 
 class Transformer(nn.Module):
@@ -72,9 +72,7 @@ class Transformer(nn.Module):
             )
         masks = layer_masks(document_ids, positions, context_parallel)  # no windows here
         mask = masks[0] if masks is not None else None
-        cos, sin = self.rope_cos, self.rope_sin
-        if positions is not None:
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, positions)
         block_args = {
             "mask": mask,
             "context_parallel": context_parallel,

@@ -13,7 +13,7 @@ from kiln.config.sections import ModelConfig
 from kiln.model.document_mask import LayerMask, causal_mask, masked_attention
 from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import KVCache, prefix_causal_mask
-from kiln.model.rope import apply_rope
+from kiln.model.rope import apply_rope, token_rows
 
 
 class HeadSinks(nn.Module):
@@ -62,10 +62,7 @@ class Attention(nn.Module):
         (kiln/parallel/context_parallel.py)."""
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
-        if cos.ndim == 2:
-            # Full tables in, sliced here: under sequence parallel only attention sees whole
-            # sequences. Tables for given positions (context parallel) come indexed already.
-            cos, sin = cos[start : start + seq], sin[start : start + seq]
+        cos, sin = token_rows(cos, sin, start=start, seq=seq)
         # -1 heads instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)

@@ -15,7 +15,7 @@ from kiln.model.llama.attention import Attention
 from kiln.model.moe.balancing import AuxLossScale
 from kiln.model.moe.block import MoEFeedForward
 from kiln.model.output_head import output_logits, output_weight
-from kiln.model.rope import model_rope_tables
+from kiln.model.rope import model_rope_tables, rope_at
 
 
 class Block(DecoderBlock):
@@ -79,10 +79,7 @@ class Transformer(nn.Module):
             )
         windows = tuple(sorted(set(self.windows.values())))
         masks = layer_masks(document_ids, positions, context_parallel, windows=windows)
-        cos, sin = self.rope_cos, self.rope_sin
-        if positions is not None:
-            # (batch, 1, seq, head_dim): broadcast over the heads.
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, positions)
         h = self.tok_embeddings(x) if self.stage.first else x
         for name, block in self.layers.items():
             h = block(

@@ -14,7 +14,7 @@ from kiln.model.document_mask import LayerMask, masked_attention
 from kiln.model.forward_args import SequenceGathers
 from kiln.model.kv_cache import prefix_causal_mask
 from kiln.model.qwen3_next.norms import rms_norm
-from kiln.model.rope import apply_rope
+from kiln.model.rope import apply_rope, token_rows
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,12 +51,12 @@ class GatedAttention(nn.Module):
         mask: LayerMask | None = None,
         context_parallel: SequenceGathers | None = None,
     ) -> torch.Tensor:
-        """x (batch, seq, dim); cos, sin the rotary tables of x's tokens ((seq, rotary_dim), or
-        (batch, 1, seq, rotary_dim) at context parallel's positions); `cache`: a
+        """x (batch, seq, dim); cos, sin the rotary tables (`rope.rope_at`'s); `cache`: a
         `GenerationCache` (state.py); `mask`: the document mask of the forward;
         `context_parallel`: attention over the whole sequences from this rank's chunks."""
         batch, seq, _ = x.shape
         start = cache.pos if cache is not None else 0
+        cos, sin = token_rows(cos, sin, start=start, seq=seq)
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim * (2 if self.gated else 1))
         gate = None

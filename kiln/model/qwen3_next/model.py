@@ -23,7 +23,7 @@ from kiln.model.qwen3_next.delta_rule import document_starts
 from kiln.model.qwen3_next.gated_deltanet import GatedDeltaNet
 from kiln.model.qwen3_next.norms import rms_norm
 from kiln.model.qwen3_next.state import GenerationCache
-from kiln.model.rope import model_rope_tables
+from kiln.model.rope import model_rope_tables, rope_at
 
 # A_log = log(A), A drawn uniform in this range (Mamba-2's; the decay per step is
 # exp(−A·softplus(a + dt_bias))).
@@ -141,12 +141,7 @@ class Transformer(nn.Module):
                 conv_kernel=self.cfg.linear_attention.conv_kernel,
             )
             starts = links.starts
-        start = cache.pos if cache is not None else 0
-        cos = self.rope_cos[start : start + x.shape[1]]
-        sin = self.rope_sin[start : start + x.shape[1]]
-        if positions is not None:
-            # (batch, 1, seq, rotary_dim): broadcast over the heads.
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, positions)
         h = self.tok_embeddings(x) if self.stage.first else x
         for name, block in self.layers.items():
             h = block(
